@@ -67,3 +67,10 @@ def test_bench_defaults_prints_a_row_per_setting(monkeypatch, capsys):
     bd.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.001 | 5 | 1 |")]
     assert len(rows) == 1 and rows[0].count("|") == 9 and "not run" not in rows[0], rows
+
+
+def test_bench_recompute_s_header_gives_the_threads_its_runs_use():
+    """Before: the process's own BLAS threads (2 here), printed before the runs were limited to --threads."""
+    proc = subprocess.run([sys.executable, os.path.join("bench", "bench_recompute.py"), *SMOKE["bench_recompute"],
+                           "--threads", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0 and ", 1 thread) | " in proc.stdout.splitlines()[0], proc.stdout[:300] + proc.stderr
