@@ -69,8 +69,11 @@ def test_bench_defaults_prints_a_row_per_setting(monkeypatch, capsys):
     assert len(rows) == 1 and rows[0].count("|") == 9 and "not run" not in rows[0], rows
 
 
-def test_bench_recompute_s_header_gives_the_threads_its_runs_use():
-    """Before: the process's own BLAS threads (2 here), printed before the runs were limited to --threads."""
-    proc = subprocess.run([sys.executable, os.path.join("bench", "bench_recompute.py"), *SMOKE["bench_recompute"],
-                           "--threads", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=220)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,argv", [("bench_recompute", ["--threads", "1"]), ("bench_seq_memory", [])])
+def test_header_gives_the_blas_threads_the_runs_use(name, argv, tmp_path):
+    """Before: the process's own BLAS threads (2 here), printed before the runs were limited to one."""
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[name]] + argv
+    proc = subprocess.run([sys.executable, os.path.join("bench", f"{name}.py"), *extra], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0 and ", 1 thread) | " in proc.stdout.splitlines()[0], proc.stdout[:300] + proc.stderr
