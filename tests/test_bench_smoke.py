@@ -77,3 +77,12 @@ def test_header_gives_the_blas_threads_the_runs_use(name, argv, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join("bench", f"{name}.py"), *extra], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0 and ", 1 thread) | " in proc.stdout.splitlines()[0], proc.stdout[:300] + proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bench_setup_peak_says_its_process_figures_are_tracemalloc_s(mpiexec):
+    proc = subprocess.run([mpiexec, "-n", "1", sys.executable, os.path.join("bench", "bench_setup_peak.py"), "--model",
+                           "tiny"], cwd=REPO_ROOT, env=mpi_env(), capture_output=True, text=True, timeout=100)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and " UTC | " in lines[0], proc.stdout + proc.stderr
+    assert lines[1].startswith("whole model: ") and "tracemalloc (on through set-up)" in lines[1], lines[1]
