@@ -218,14 +218,16 @@ def check_environment(parser: argparse.ArgumentParser) -> None:
         parser.error(str(e))
 
 
-def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:
-    """``parser.error`` unless ``rev`` names a commit of the git repository ``repo`` (``git rev-parse --verify``)."""
+def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> str:
+    """The short commit id ``rev`` names in the git repository ``repo`` (what the table prints: "HEAD~3" or a
+    branch names another commit tomorrow); ``parser.error`` unless it names one."""
     import subprocess
 
-    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--end-of-options",
-                            rev + "^{commit}"], capture_output=True).returncode == 0
-    if not known:
+    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--short", "--end-of-options",
+                            rev + "^{commit}"], capture_output=True, text=True)
+    if known.returncode != 0:
         parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")
+    return known.stdout.strip()
 
 
 def file_path(text) -> str:

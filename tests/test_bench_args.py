@@ -506,3 +506,21 @@ def test_3d_main_job_refuses_a_keep_folder_train_would_refuse_before_any_run(mon
     says = refusal(monkeypatch, capsys, "bench_3d_main_job", ["--keep", str(tmp_path)])
     assert "minizero.train refuses these flags at 8 rank(s): --out" in says and "3d_long" in says, says
     assert (tmp_path / "3d_long").read_text() == "notes"
+
+
+def test_a_base_tree_is_named_by_its_commit_id(monkeypatch, capsys):
+    """--against / --base HEAD (a branch, HEAD~3): the table said 'HEAD', which names another commit tomorrow."""
+    sha = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    module = load("bench_train")
+    unpacked = []
+
+    def unpack(rev, folder):
+        unpacked.append(rev)
+        raise Launched
+
+    monkeypatch.setattr(module, "unpack", unpack)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--against", "HEAD", "--ranks", "1"])
+    with pytest.raises(Launched):
+        module.main()
+    assert unpacked == [sha] and f"| tokens/s at {sha} |" in capsys.readouterr().out
