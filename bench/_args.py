@@ -192,17 +192,17 @@ def probability(text) -> float:
     return x
 
 
-def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes) -> None:
+def check_train_flags(parser: argparse.ArgumentParser, flags: list[str], world_sizes, out: str | None = None) -> None:
     """``parser.error`` (exit 2) with the refusal of ``python -m minizero.train`` when it would refuse ``flags``
-    (no ``--out``: a temporary folder is given) at any of ``world_sizes``; nothing is launched."""
+    and ``--out out`` (None: a temporary folder) at any of ``world_sizes``; nothing is launched."""
     import tempfile
 
     from minizero.args import UsageError, parse_args
 
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as tmp:
         for n in world_sizes:
             try:
-                parse_args([*flags, "--out", out], n, quiet=True)
+                parse_args([*flags, "--out", out or tmp], n, quiet=True)
             except UsageError as e:
                 parser.error(f"python -m minizero.train refuses these flags at {n} rank(s): {e}")
 
@@ -218,14 +218,16 @@ def check_environment(parser: argparse.ArgumentParser) -> None:
         parser.error(str(e))
 
 
-def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> None:
-    """``parser.error`` unless ``rev`` names a commit of the git repository ``repo`` (``git rev-parse --verify``)."""
+def check_revision(parser: argparse.ArgumentParser, flag: str, rev: str, repo: str) -> str:
+    """The short commit id ``rev`` names in the git repository ``repo`` (what the table prints: "HEAD~3" or a
+    branch names another commit tomorrow); ``parser.error`` unless it names one."""
     import subprocess
 
-    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--end-of-options",
-                            rev + "^{commit}"], capture_output=True).returncode == 0
-    if not known:
+    known = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", "--short", "--end-of-options",
+                            rev + "^{commit}"], capture_output=True, text=True)
+    if known.returncode != 0:
         parser.error(f"{flag} {rev!r} is not a known revision of {repo}; allowed: a commit, branch or tag")
+    return known.stdout.strip()
 
 
 def file_path(text) -> str:

@@ -147,8 +147,8 @@ def main() -> None:
                 f"run, with {', '.join(names)}")
     if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
         p.error(f"--keep {a.keep!r} exists and is not a folder")
-    for lay, steps in [] if a.reuse else sorted(set(names.values())):  # the runs' flags, before the first one starts
-        _args.check_train_flags(p, [*LAYOUTS[lay], "--steps", str(steps)], [8])
+    for n, (lay, steps) in [] if a.reuse else names.items():  # the runs' flags and --keep's folders, before any run
+        _args.check_train_flags(p, [*LAYOUTS[lay], "--steps", str(steps)], [8], a.keep and os.path.join(a.keep, n))
     print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     if a.reuse:
         r = {n: load(os.path.join(a.reuse, n)) for n in names}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -57,12 +56,10 @@ def train_argv(lr: float, warmup: str, clip: float, extra: list[str]) -> list[st
     return argv + ([] if warmup == "auto" else ["--warmup", warmup])
 
 
-def run(lr: float, warmup: str, clip: float, extra: list[str]) -> dict:
+def run(lr: float, warmup: str, clip: float, extra: list[str]):
+    # (train's TrainResult, the parsed flags); before, it assigned into the result: a TypeError after the run
     args = parse_args(train_argv(lr, warmup, clip, extra), 1)
-    t = time.perf_counter()
-    r = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=7200)[0]
-    r["args"], r["wall_s"] = args, time.perf_counter() - t
-    return r
+    return run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=7200)[0], args
 
 
 def triples(text: str) -> list[tuple[float, str, float]]:
@@ -106,15 +103,15 @@ def main():
           "fp16 - fp32 (last 20 of 200) | meets goals |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|", flush=True)
     for lr, warmup, clip in settings:
-        r = run(lr, warmup, clip, [])
-        w = r["args"].warmup
+        r, args = run(lr, warmup, clip, [])
+        w = args.warmup
         jump, at = worst_jump(r["train_losses"], w)
         val = r["val_history"][-1][1]
         ok = jump <= JUMP_MAX and val <= VAL_MAX
         gap = None
         if ok or a.fp16_all:
-            tails = [np.mean(run(lr, warmup, clip, ["--steps", str(FP16_STEPS), "--precision", prec])
-                             ["train_losses"][-WINDOW:]) for prec in ("fp32", "fp16")]
+            tails = [np.mean(run(lr, warmup, clip, ["--steps", str(FP16_STEPS), "--precision", prec])[0]
+                             .train_losses[-WINDOW:]) for prec in ("fp32", "fp16")]
             gap = tails[1] - tails[0]
             ok = ok and abs(gap) <= FP16_MAX
         mark = " (default)" if (lr, warmup, clip) == default else ""

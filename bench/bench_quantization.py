@@ -225,8 +225,11 @@ def main():
             read_weights(a.weights)
         except (ValueError, OSError) as e:
             p.error(str(e))
+    if a.ranks == 1 and "4" in only:  # before: a ZeroDivisionError after tables 2 and 3 (one rank sends nothing)
+        p.error("--ranks 1: table 4 compares the bytes ranks send each other; allowed: --ranks >= 2, or --only "
+                "without 4")
+    threadpool_limits(1)  # before the header: it said this process's 2 threads, the runs had one
     print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
-    threadpool_limits(1)
     if "1" in only and a.weights:
         table_weights(a)
     if "2" in only:

@@ -82,7 +82,7 @@ def main():
     p.add_argument("--repeats", type=_args.count, default=5)
     p.add_argument("--threads", type=_args.threads, default=1, help="BLAS threads")
     args = p.parse_args()
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.count(args.threads, "thread")), flush=True)  # the runs' threads (it said 2: its own)
     base = get_config(args.model, dropout=args.dropout)
     deep = dataclasses.replace(base, n_layer=2 * base.n_layer)
     print(f"model {args.model}: s={base.block_size} b={args.batch} h={base.n_embd} a={base.n_head} "

@@ -213,7 +213,7 @@ def main():
     args.model, args.batch, args.repeats = args.model or "default", args.batch or 4, args.repeats or 15
     args.png = args.png or ("flash_memory.png" if args.attention else "seq_memory.png")
     _args.check_output_path(p, "--png", args.png)
-    print(_machine.header(), flush=True)  # date, CPU, BLAS library, kernel, threads
+    print(_machine.header(_machine.count(1, "thread")), flush=True)  # the runs' one BLAS thread (it said its own)
     if args.attention:
         return attention_main(args.png)
     cfg = get_config(args.model)

@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     else:
         mb = 2.0 ** 20
         print(_machine.header())
-        print(f"whole model: {rows[0]['model_bytes'] / mb:.1f} MiB of parameters")
+        print(f"whole model: {rows[0]['model_bytes'] / mb:.1f} MiB of parameters; process peak and kept: tracemalloc "
+              "(on through set-up)")  # the header said nothing of how the process figures were measured
         print("rank  params peak  params kept  ledger peak  ledger kept  process peak  process kept  (MiB)")
         for r in rows:
             print(f"{r['rank']:>4}  {r['params_peak'] / mb:11.1f}  {r['params_kept'] / mb:11.1f}  "

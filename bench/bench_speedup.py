@@ -67,7 +67,7 @@ def main() -> None:
     if not (args.base or args.precision or args.malloc):
         p.error("give --base REV, --precision or --malloc")
     if args.base:
-        check_revision(p, "--base", args.base, REPO_ROOT)
+        args.base = check_revision(p, "--base", args.base, REPO_ROOT)  # its commit id in the table
     mb = ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
     for extra in (["--precision", "fp16"] if args.precision else [], ["--default-malloc"] if args.malloc else []):
         check_train_flags(p, ["--steps", str(args.steps), "--sample-tokens", "0", *extra, *mb], args.ranks)

@@ -117,7 +117,8 @@ def main() -> None:
     p.add_argument("--rounds", type=count, default=3, help="alternated runs per tree with --against")
     args = p.parse_args()
     if args.against:
-        check_revision(p, "--against", args.against, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        args.against = check_revision(p, "--against", args.against,  # its commit id in the table
+                                      os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     check_train_flags(p, train_flags(args), args.ranks)
     print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     if args.against:

@@ -358,6 +358,8 @@ def main() -> None:
         ratio = f"{r['matmul'] / r['pytorch']:.2f}" if "pytorch" in r else "-"
         print(f"| {b} | " + " | ".join(f"{r[k]:.3f}" for k in PARTS) + f" | {r['minizero']:.3f} | {torch_cell} | "
               f"{ratio} |")
+    if torch is None:  # before: dashes without a word why
+        print("PyTorch is not installed here: its columns are '-' (pip install torch, the CPU wheel)")
 
 
 if __name__ == "__main__":

@@ -260,6 +260,11 @@ def run_script(main) -> int:
         return code
     except (KeyboardInterrupt, Terminated) as e:  # a traceback (Ctrl-C), or mpiexec left running (SIGTERM) before
         return _interrupted(e, name)
+    except subprocess.CalledProcessError as e:  # a run it launched failed: before, a traceback without the run's error
+        tail = "\n".join((e.stderr or "").strip().splitlines()[-20:])  # run_group's capture, else printed already
+        cmd = e.cmd if isinstance(e.cmd, str) else " ".join(map(str, e.cmd))
+        print((tail + "\n" if tail else "") + error_lines(name, f"a run exited {e.returncode}: {cmd}"), file=sys.stderr)
+        return 1
     except OSError as e:  # before: BrokenPipeError's traceback, and "Exception ignored ... BrokenPipeError" at exit
         if not (stdout_reader_gone(e) or stdout_unwritable(e)):
             raise

@@ -113,6 +113,7 @@ CASES = [
     ("bench_3d_main_job", ["--reuse", "/no-such-folder"], "--reuse '/no-such-folder' holds no dp8_short/summary"),
     ("bench_3d_main_job", ["--reuse", "/", "--keep", "x"], "with --reuse it makes none"),
     ("bench_3d_main_job", ["--keep", "/dev/null"], "--keep '/dev/null' exists and is not a folder"),
+    ("bench_quantization", ["--ranks", "1"], "--ranks 1: table 4 compares the bytes ranks send each other; allowed"),
     # before: accepted, four runs of 8 ranks, then a StatisticsError traceback (no steps after the short runs')
     ("bench_3d_main_job", ["--steps", "21", "--short-steps", "21"], "and --steps > --short-steps"),
     ("bench_allreduce", ["--json", "/"], "--json '/' is a directory"),  # before: the sweep, then IsADirectoryError
@@ -497,3 +498,29 @@ def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
     """Before: its folder was probed with a short name: a 240-character --json ran every check, then failed."""
     problem = load("gpu_check").json_target_problem(str(tmp_path / ("g" * 235 + ".json")))
     assert "longer than the file system's" in problem, problem
+
+
+def test_3d_main_job_refuses_a_keep_folder_train_would_refuse_before_any_run(monkeypatch, capsys, tmp_path):
+    """Before: the fourth run's --out (a user's file in --keep) was refused by train after three runs, a traceback."""
+    (tmp_path / "3d_long").write_text("notes")
+    says = refusal(monkeypatch, capsys, "bench_3d_main_job", ["--keep", str(tmp_path)])
+    assert "minizero.train refuses these flags at 8 rank(s): --out" in says and "3d_long" in says, says
+    assert (tmp_path / "3d_long").read_text() == "notes"
+
+
+def test_a_base_tree_is_named_by_its_commit_id(monkeypatch, capsys):
+    """--against / --base HEAD (a branch, HEAD~3): the table said 'HEAD', which names another commit tomorrow."""
+    sha = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    module = load("bench_train")
+    unpacked = []
+
+    def unpack(rev, folder):
+        unpacked.append(rev)
+        raise Launched
+
+    monkeypatch.setattr(module, "unpack", unpack)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--against", "HEAD", "--ranks", "1"])
+    with pytest.raises(Launched):
+        module.main()
+    assert unpacked == [sha] and f"| tokens/s at {sha} |" in capsys.readouterr().out

@@ -595,3 +595,23 @@ def test_the_mpi_start_guard_gives_back_the_signal_handlers_it_found(monkeypatch
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_run_script_says_which_run_failed_and_why(capsys):
+    """A bench script's launched run that fails (run_group(check=True), its output captured): before, a
+    CalledProcessError traceback without the run's own error; now that error's last lines, one line naming the
+    command, exit 1."""
+    from minizero.interrupts import run_script
+
+    def failed():
+        raise subprocess.CalledProcessError(2, ["mpiexec", "-n", "8", "python", "-m", "minizero.train"],
+                                            stderr="python -m minizero.train: error: --out 'x' is not a directory\n")
+
+    try:
+        assert run_script(failed) == 1
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--out 'x' is not a directory" in err, err
+    assert "error: a run exited 2: mpiexec -n 8 python -m minizero.train" in err, err

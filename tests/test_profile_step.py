@@ -138,3 +138,12 @@ def test_the_header_says_1_thread_not_1_threads():
 
     assert (_machine.count(1, "thread"), _machine.count(2, "thread"), _machine.count("?", "thread")) == (
         "1 thread", "2 threads", "? threads")
+
+
+def test_without_pytorch_the_table_says_why_its_columns_are_empty(monkeypatch, capsys):
+    monkeypatch.setattr(profile_step, "import_torch", lambda: None)
+    monkeypatch.setattr(profile_step, "profile", lambda b, steps: dict.fromkeys([*profile_step.PARTS, "minizero"], 1.0))
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--batch", "1", "--threads", "1"])
+    profile_step.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].endswith("| - | - |") and out[-1].startswith("PyTorch is not installed here"), out

@@ -297,6 +297,7 @@ def test_bench_quantization_comm_and_sparse_tables_run():
                            "--eval-batches", "1", "--ranks", "2", "--only", "4,5b"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ", 1 thread)" in proc.stdout.splitlines()[0], proc.stdout[:300]  # before: the process's own, not the runs'
     rows = {line[:26].strip(): line[26:].split() for line in proc.stdout.splitlines() if line.startswith("ZeRO-")}
     assert sorted(rows) == ["ZeRO-2", "ZeRO-2 + INT8 comm", "ZeRO-3", "ZeRO-3 + INT8 comm"], proc.stdout
     for stage in (2, 3):
