@@ -6,7 +6,7 @@ import math
 
 from minizero.memory.estimator.model import (ACCOUNTINGS, ATTENTIONS, LINEAR_SAVES, OFFLOAD_MIN_BYTES,
                                              activation_element, as_shape)
-from minizero.memory.estimator.strategy import Strategy
+from minizero.memory.estimator.strategy import Strategy, layer_shape_and_seq_len
 from minizero.memory.estimator.states import stage_layers
 
 
@@ -229,9 +229,9 @@ def layer_activation_bytes(model, seq_len: int | None = None, micro_batch: int =
     parallelism). cp > 1: rows of s/cp tokens, ring attention's output and log-sum-exp replacing the s^2 terms
     (:func:`context_parallel_rows`), as ``attention="flash"`` does at any cp (Ulysses' dense core: :func:`layer_rows`).
     """
-    m = as_shape(model)
-    rows = layer_rows(m, seq_len or m.seq_len, micro_batch, accounting, precision, cp, attention,
-                      cp_attention=cp_attention)
+    m, s = layer_shape_and_seq_len(model, seq_len, tp=tp, cp=cp, micro_batch=micro_batch, recompute=recompute,
+                                   precision=precision, cp_attention=cp_attention)
+    rows = layer_rows(m, s, micro_batch, accounting, precision, cp, attention, cp_attention=cp_attention)
     return round(_layer_stored(rows, tp, sequence_parallel, recompute))
 
 

@@ -5,7 +5,8 @@ import dataclasses
 import numbers
 
 from minizero.memory.estimator.model import (ATTENTIONS, CP_ATTENTIONS, OFFLOAD, OFFLOAD_TIERS, OPTIMIZERS,
-                                             PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape)
+                                             PRECISIONS, QUANT_BLOCK, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelShape,
+                                             as_shape)
 
 
 # ---- the strategy -----------------------------------------------------------------------------
@@ -157,3 +158,10 @@ def seq_len_at(model, strategy: Strategy, seq_len, stage) -> int:
                               or not 0 <= stage < strategy.pp):
         raise ValueError(f"stage must be in [0, {strategy.pp}), got {stage!r}")
     return model.seq_len if seq_len is None else int(seq_len)
+
+
+def layer_shape_and_seq_len(model, seq_len, **fields) -> tuple[ModelShape, int]:
+    """(``model``'s shape, :func:`seq_len_at`) once ``Strategy(**fields)`` validates: ``layer_activation_bytes``'s
+    check (micro_batch=-1, recompute='x' and tp=0 gave numbers or ZeroDivisionError there before)."""
+    m = as_shape(model)
+    return m, seq_len_at(m, Strategy(**fields).validate(), seq_len, None)
