@@ -190,6 +190,19 @@ def test_counts_and_sizes_are_ints_not_bools_or_other_numbers():
     assert run_in_threads(2, lambda comm: all_to_all_v(comm, np.ones(4), [np.int64(1), 3])[1]) == [[1, 1], [3, 3]]
 
 
+def test_generate_and_apply_recompute_take_numpy_ints_as_check_int_does():
+    """Before: np.int64(2) was refused by both (type(x) is int), unlike comm's check_int; bools, floats still are."""
+    from minizero.memory.recompute import apply_recompute
+    model = GPT(get_config("tiny"))
+    assert model.generate(np.array([[1]]), np.int64(2), 0).shape == (1, 3)
+    assert apply_recompute(model, "full", np.int64(2)) == apply_recompute(GPT(get_config("tiny")), "full", 2)
+    for bad in (True, 2.0, np.float64(2)):
+        with pytest.raises(ValueError, match=re.escape(f"got {bad!r} and 0")):
+            GPT(get_config("tiny")).generate(np.array([[1]]), bad, 0)
+        with pytest.raises(ValueError, match=re.escape(f"K >= 1, got {bad!r}")):
+            apply_recompute(GPT(get_config("tiny")), "full", bad)
+
+
 @pytest.mark.parametrize("kw,said", [({"lr": float("nan")}, "lr=nan"),  # before: accepted, the first step made NaN
                                      ({"lr": "1"}, "lr='1'"),  # a bare TypeError
                                      ({"betas": 0.9}, "betas=0.9"),  # 'float' object is not subscriptable

@@ -6,6 +6,8 @@ arXiv:2205.05198, section 5.
 """
 from __future__ import annotations
 
+import numbers
+
 from minizero.autograd import Function, Tensor, enable_grad, no_grad
 from minizero.autograd.functional import fork_rng, get_rng_state, set_rng_state
 from minizero.nn.module import Module
@@ -110,7 +112,7 @@ def apply_recompute(model, mode: str = "full", every: int = 1) -> list[str]:
     """
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {MODES}")
-    if type(every) is not int or every < 1:  # not True for 1
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:  # np.int64 too; not True for 1
         raise ValueError(f"recompute every K blocks needs K >= 1, got {every!r}")
     if mode == "none":
         return []

@@ -216,7 +216,8 @@ class GPT(Module):
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, rng=None):
         """Sample ``max_new_tokens`` tokens (no grad; temperature 0: greedy): (B, T) ints -> (B, T + new)."""
-        if not (type(max_new_tokens) is int and max_new_tokens >= 0  # not True for 1, nor '1.0' for a temperature
+        if not (isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)  # np.int64 too
+                and max_new_tokens >= 0  # not True for 1, nor '1.0' for a temperature (comm's check_int's rule)
                 and isinstance(temperature, numbers.Real) and 0 <= temperature < math.inf):
             raise ValueError(f"GPT.generate: max_new_tokens must be an int >= 0 and temperature a finite number >= 0 "
                              f"(0: greedy), got {max_new_tokens!r} and {temperature!r}")
