@@ -7,6 +7,7 @@ p *= 1 - lr wd first, then the bias-corrected Adam step); float64, so they agree
 import math
 
 import numpy as np
+import pytest
 
 from minizero.nn.module import Parameter
 from minizero.optim import AdamW, clip_grad_norm_, cosine_lr
@@ -75,3 +76,16 @@ def test_clipping_scales_to_max_norm_over_all_gradients_and_returns_the_norm_bef
     np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
     assert abs(clip_grad_norm_([a, b], 100.0) - 13.0 * coef) <= 1e-15 * 13.0
     np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
+
+
+def test_adamw_takes_numpy_hyper_parameters_as_floats_and_still_refuses_bools_strings_nan():
+    """Before: a 0-d array lr and betas as a length-2 ndarray (what PyTorch-style code passes) were refused."""
+    p = Parameter(np.ones(2))
+    opt = AdamW([p], lr=np.array(1e-3), betas=np.array([0.9, 0.95]), eps=np.float64(1e-8), weight_decay=np.int64(0))
+    assert (opt.lr, opt.betas, opt.eps, opt.weight_decay) == (1e-3, (0.9, 0.95), 1e-8, 0.0)
+    assert all(type(v) is float for v in (opt.lr, *opt.betas, opt.eps, opt.weight_decay))
+    for kw in ({"lr": np.array(True)}, {"lr": np.bool_(True)}, {"lr": np.array("1")}, {"lr": np.array(np.nan)},
+               {"lr": np.array([1e-3])}, {"betas": np.array([0.9, 1.0])}, {"betas": np.array([[0.9, 0.95]])},
+               {"lr": True}, {"lr": "1e-3"}):
+        with pytest.raises(ValueError, match=r"AdamW: need finite lr >= 0.* got lr="):
+            AdamW([p], **kw)

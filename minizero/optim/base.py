@@ -8,16 +8,28 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 
-def check_hyper_parameters(owner: str, lr, betas, eps, weight_decay) -> None:
-    """ValueError naming ``owner`` and the values, unless they are the finite numbers the message says."""
-    pair = tuple(betas) if isinstance(betas, (tuple, list)) else ()  # betas=0.9 or lr='1e-3': named as well
-    if not (len(pair) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
-                                   for v in (lr, eps, weight_decay, *pair))
-            and 0 <= lr < math.inf and 0 <= pair[0] < 1 and 0 <= pair[1] < 1
-            and 0 < eps < math.inf and 0 <= weight_decay < math.inf):  # written so that NaN fails every comparison
+
+def _real(v):  # a real number, NumPy's scalars and 0-d real arrays too (PyTorch-style code passes them), as a float
+    if isinstance(v, numbers.Real) and not isinstance(v, bool) or isinstance(v, np.ndarray) and v.shape == () \
+            and v.dtype.kind in "iuf":
+        return float(v)
+    return v  # bools, strings, complex, arrays with elements: refused by the caller
+
+
+def check_hyper_parameters(owner: str, lr, betas, eps, weight_decay) -> tuple:
+    """``(lr, betas, eps, weight_decay)`` as floats; ValueError naming ``owner`` and the values, unless they are the
+    finite numbers the message says."""
+    is_pair = isinstance(betas, (tuple, list)) or isinstance(betas, np.ndarray) and betas.ndim == 1
+    pair = tuple(map(_real, betas)) if is_pair else ()  # betas=0.9 or lr='1e-3': named as well
+    lr_, eps_, wd_ = map(_real, (lr, eps, weight_decay))
+    if not (len(pair) == 2 and all(type(v) is float for v in (lr_, eps_, wd_, *pair))
+            and 0 <= lr_ < math.inf and 0 <= pair[0] < 1 and 0 <= pair[1] < 1
+            and 0 < eps_ < math.inf and 0 <= wd_ < math.inf):  # written so that NaN fails every comparison
         raise ValueError(f"{owner}: need finite lr >= 0, 0 <= betas < 1 (a pair), eps > 0, weight_decay >= 0; "
                          f"got lr={lr!r}, betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r}")
+    return lr_, pair, eps_, wd_
 
 
 class Optimizer:
@@ -28,7 +40,7 @@ class Optimizer:
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        check_hyper_parameters(type(self).__name__, lr, betas, eps, weight_decay)
+        lr, betas, eps, weight_decay = check_hyper_parameters(type(self).__name__, lr, betas, eps, weight_decay)
         self.params = list(params)
         seen = {}
         for i, p in enumerate(self.params):  # a parameter listed twice was updated twice per step, silently

@@ -72,7 +72,8 @@ class ZeroOptimizer:
                  master_weights: bool = False, sharded_state=None, quantized_comm: bool = False, store=None,
                  prefetch: bool = False, overlap_reduce: bool = False, find_unused_parameters: bool = True,
                  predivided: bool = False, check_order: bool | None = None, include=None, replicas=None):
-        check_hyper_parameters("ZeroOptimizer", lr, betas, eps, weight_decay)  # lr=nan passed before
+        lr, betas, eps, weight_decay = check_hyper_parameters(  # lr=nan passed before
+            "ZeroOptimizer", lr, betas, eps, weight_decay)
         if quantized_comm and native:
             raise ValueError("ZeroOptimizer: quantized_comm and native exclude each other "
                              "(MPI's collectives send FP32)")
