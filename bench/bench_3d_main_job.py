@@ -21,6 +21,7 @@ GiB = 2**30 bytes.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
@@ -91,7 +92,7 @@ def largest_diff(a: dict, b: dict, upto: int) -> str:
 def table(r: dict, short: int, long: int) -> list[str]:
     """The Markdown rows of lesson 06's table from the four summaries in ``r``."""
     d8, t3, d8s, t3s = r["dp8_long"], r["3d_long"], r["dp8_short"], r["3d_short"]
-    at = [0, 10, 20, short - 1]
+    at = sorted({0, 10, 20, short - 1})  # --short-steps 21: step 20 once
     losses = lambda s: " / ".join(f"{s['train_loss'][i]:.4f}" for i in at)  # noqa: E731
     peak = lambda s, c: per_stage(s, lambda k: s["ledger_peak_bytes"][k][c])  # noqa: E731
     cats = lambda s: (", ".join(  # noqa: E731
@@ -117,6 +118,16 @@ def table(r: dict, short: int, long: int) -> list[str]:
             f"| bytes sent per rank, {long} steps | {span(d8['bytes_sent'], GiB, suffix=' GiB')} | "
             f"{span(t3['bytes_sent'], GiB, suffix=' GiB')} |"]
     return rows
+
+
+def reused_note(folder: str, names) -> str:
+    """The line under the header with ``--reuse``: when the runs were written (summary.json records no date or
+    commit: its file times), since the header's date and source are this machine and checkout now."""
+    times = sorted(os.path.getmtime(os.path.join(folder, n, "summary.json")) for n in names)
+    when = [f"{datetime.datetime.fromtimestamp(t, datetime.timezone.utc):%Y-%m-%d %H:%M} UTC" for t in times]
+    made = when[0] if when[0] == when[-1] else f"{when[0]} to {when[-1]}"
+    return (f"runs re-read from {folder}, made {made} (their summary.json files' times; summary.json records no "
+            f"commit): the line above is this machine and checkout now, not the runs'")
 
 
 def stage_ranks(s: dict) -> list[tuple[range, str]]:
@@ -151,6 +162,7 @@ def main() -> None:
         _args.check_train_flags(p, [*LAYOUTS[lay], "--steps", str(steps)], [8], a.keep and os.path.join(a.keep, n))
     print(_machine.header(_machine.RANK_THREADS), flush=True)  # date, CPU, BLAS library, kernel; the ranks' threads
     if a.reuse:
+        print(reused_note(a.reuse, names), flush=True)
         r = {n: load(os.path.join(a.reuse, n)) for n in names}
     else:
         with tempfile.TemporaryDirectory() as tmp:

@@ -524,3 +524,27 @@ def test_a_base_tree_is_named_by_its_commit_id(monkeypatch, capsys):
     with pytest.raises(Launched):
         module.main()
     assert unpacked == [sha] and f"| tokens/s at {sha} |" in capsys.readouterr().out
+
+
+def test_3d_main_job_reuse_says_when_its_runs_were_made_and_shows_step_20_once(monkeypatch, capsys, tmp_path):
+    """Before: --reuse printed only the header (today's date and checkout, not the runs'), and --short-steps 21
+    showed 'train loss at steps 0 / 10 / 20 / 20'."""
+    import json
+    steps = {"dp8_short": 21, "3d_short": 21, "dp8_long": 22, "3d_long": 22}
+    peak = {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 1}
+    for name, n in steps.items():
+        (tmp_path / name).mkdir()
+        dp, tp, pp = (8, 1, 1) if name.startswith("dp8") else (2, 2, 2)
+        summary = {"dp": dp, "tp": tp, "pp": pp, "world_size": 8, "train_loss": [1.0 + i / 100 for i in range(n)],
+                   "grad_norm": [1.0] * n, "val_loss": 1.0, "tokens_per_s": 1.0, "ledger_peak_bytes": [peak] * 8,
+                   "ledger_peak_total_bytes": [4] * 8, "process_peak_bytes": [4] * 8, "bytes_sent": [0] * 8}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        os.utime(tmp_path / name / "summary.json", (0, 86400 * 365 * (1 if name.endswith("short") else 2)))
+    monkeypatch.setattr(sys, "argv", ["bench_3d_main_job.py", "--reuse", str(tmp_path), "--short-steps", "21",
+                                      "--steps", "22"])
+    load("bench_3d_main_job").main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (f"runs re-read from {tmp_path}, made 1971-01-01 00:00 UTC to 1972-01-01 00:00 UTC (their "
+                      "summary.json files' times; summary.json records no commit): the line above is this machine "
+                      "and checkout now, not the runs'"), out[:2]
+    assert "| `--steps 21`: train loss at steps 0 / 10 / 20 | 1.0000 / 1.1000 / 1.2000 |" in "\n".join(out), out
