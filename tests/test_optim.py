@@ -75,3 +75,12 @@ def test_clipping_scales_to_max_norm_over_all_gradients_and_returns_the_norm_bef
     np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
     assert abs(clip_grad_norm_([a, b], 100.0) - 13.0 * coef) <= 1e-15 * 13.0
     np.testing.assert_allclose(np.concatenate([a.grad, b.grad]), [3 * coef, 4 * coef, 12 * coef], rtol=1e-15)
+
+
+def test_the_loops_clip_coefficient_never_scales_gradients_up():
+    """The loop folds ``clip_coefficient`` into the update itself (no ``coef < 1`` test around it): a norm below the
+    max gives exactly 1. (Round-2 mutant: the coefficient without its min(1, .) survived.)"""
+    from minizero.optim import clip_coefficient
+    assert clip_coefficient(13.0, 6.5) == 6.5 / (13.0 + 1e-6)
+    assert [clip_coefficient(n, 1.0) for n in (0.0, 0.5, 1.0 - 1e-6)] == [1.0, 1.0, 1.0]
+    assert clip_coefficient(5.0, 0.0) == clip_coefficient(5.0, math.inf) == 1.0
