@@ -92,3 +92,13 @@ def test_a_bucket_filled_exactly_to_bucket_bytes_takes_no_more():
         return [[params.index(p) for p, _ in lay] for _, lay in dp.buckets]
 
     assert run_in_threads(2, layout) == [[[3, 2], [1, 0]]] * 2
+
+
+def test_every_seed_and_step_draws_its_own_global_batch():
+    """The batch is seeded by the pair (seed, step): --seed 1 must not replay --seed 0's batches one step later.
+    (Round-2 mutant: ``default_rng(seed + step)`` in data.global_batch survived.)"""
+    from minizero.data import global_batch, load_tokens
+    tokens = load_tokens(None)
+    batches = {(seed, step): global_batch(tokens, step, 4, 16, seed)[0].tobytes() for seed in range(4)
+               for step in range(4)}
+    assert len(set(batches.values())) == len(batches)

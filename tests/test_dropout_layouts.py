@@ -169,3 +169,18 @@ def test_a_mask_owns_its_bytes_in_its_own_shape():
         for sl in [tuple(slice(0, d) for d in shape), (slice(0, 2), slice(1, 3), slice(0, 4), slice(0, 4))]:
             keep = rng.MaskStream.reserve(shape, 0.1, site=1).block(sl)
             assert keep.base is None and keep.shape == tuple(s.stop - s.start for s in sl)
+
+
+def test_a_training_forward_applies_every_dropout_of_the_gpt_once(monkeypatch):
+    """nanoGPT's placement: the embedding sum, the attention probabilities, and the attention and MLP outputs of
+    every block each pass one dropout once per forward. (Round-2 mutant: the embedding dropout dropped unnoticed:
+    every layout compares against the same model.)"""
+    model = GPT(get_config("tiny", dropout=0.2, dtype="float64"))
+    called = []
+    forward = Dropout.forward
+    monkeypatch.setattr(Dropout, "forward", lambda self, x: called.append(self.site) or forward(self, x))
+    model.train()
+    model(np.zeros((2, 8), dtype=np.int64))
+    sites = sorted(m.site for _, m in model.named_modules() if isinstance(m, Dropout))
+    assert sites == list(range(1 + 3 * model.config.n_layer))
+    assert sorted(called) == sites

@@ -136,3 +136,17 @@ def test_each_row_is_its_own_philox_stream_across_draw_blocks():
     p = init.ParamInit(5, "h.0.mlp.c_fc.weight", (600, ncols), ("normal", std), np.float64)
     assert init.ParamInit.ROWS_PER_DRAW < 600  # the piece below spans blocks
     assert np.array_equal(p.flat(5, 600 * ncols - 3), want.reshape(-1)[5:600 * ncols - 3])
+
+
+def test_residual_projections_start_at_std_002_over_sqrt_2L():
+    """GPT-2's rule, the drawn weights' spread included: c_proj N(0, (0.02/sqrt(2L))^2), other matrices N(0, 0.02^2).
+    (Round-2 mutant: 0.02/sqrt(L) passed every other test.)"""
+    from minizero.nn.init import rule
+    cfg = get_config("small", n_layer=3)
+    assert rule("transformer.h.0.mlp.c_proj.weight", 2, 3) == ("normal", 0.02 / np.sqrt(6))
+    assert rule("transformer.h.0.attn.c_attn.weight", 2, 3) == ("normal", 0.02)
+    w = dict(GPT(cfg, seed=1).named_parameters())
+    for name, std in [("transformer.h.2.mlp.c_proj.weight", 0.02 / np.sqrt(6)),
+                      ("transformer.h.2.attn.c_proj.weight", 0.02 / np.sqrt(6)),
+                      ("transformer.h.2.mlp.c_fc.weight", 0.02)]:
+        np.testing.assert_allclose(w[name].data.std(), std, rtol=0.05, err_msg=name)

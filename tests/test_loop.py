@@ -92,3 +92,16 @@ def test_a_data_rank_without_validation_rows_under_mpiexec(mpiexec, tmp_path):
     losses = [float((tmp_path / f"rank{r}.txt").read_text()) for r in range(4)]
     ref = run_in_threads(1, _eval_one_row, [], timeout=60)[0]
     np.testing.assert_allclose(losses, ref, rtol=1e-12)
+
+
+def test_the_logged_loss_is_the_mean_over_micro_batches_not_their_sum():
+    """Step 0's training loss with 2 micro-batches of 2 rows is the 4-row batch's mean loss (the same weights, the
+    same rows). (Round-2 mutant: the loss metric without its 1/grad_accum passed every other test.)"""
+    from minizero.train import train
+
+    def losses(flags):
+        args = parse_args([*BASE, "--steps", "1", "--no-save", *flags], 1)
+        return run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=120)[0].train_losses
+
+    accumulated = losses(["--micro-batch-size", "2", "--grad-accum", "2"])
+    np.testing.assert_allclose(accumulated, losses(["--micro-batch-size", "4"]), rtol=1e-12)

@@ -89,3 +89,12 @@ def test_adamw_takes_numpy_hyper_parameters_as_floats_and_still_refuses_bools_st
                {"lr": True}, {"lr": "1e-3"}):
         with pytest.raises(ValueError, match=r"AdamW: need finite lr >= 0.* got lr="):
             AdamW([p], **kw)
+
+
+def test_the_loops_clip_coefficient_never_scales_gradients_up():
+    """The loop folds ``clip_coefficient`` into the update itself (no ``coef < 1`` test around it): a norm below the
+    max gives exactly 1. (Round-2 mutant: the coefficient without its min(1, .) survived.)"""
+    from minizero.optim import clip_coefficient
+    assert clip_coefficient(13.0, 6.5) == 6.5 / (13.0 + 1e-6)
+    assert [clip_coefficient(n, 1.0) for n in (0.0, 0.5, 1.0 - 1e-6)] == [1.0, 1.0, 1.0]
+    assert clip_coefficient(5.0, 0.0) == clip_coefficient(5.0, math.inf) == 1.0
