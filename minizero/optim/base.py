@@ -12,8 +12,8 @@ import numpy as np
 
 
 def _real(v):  # a real number, NumPy's scalars and 0-d real arrays too (PyTorch-style code passes them), as a float
-    if isinstance(v, numbers.Real) and not isinstance(v, bool) or isinstance(v, np.ndarray) and v.shape == () \
-            and v.dtype.kind in "iuf":
+    if (isinstance(v, numbers.Real) and not isinstance(v, bool)) or (
+            isinstance(v, np.ndarray) and v.shape == () and v.dtype.kind in "iuf"):
         return float(v)
     return v  # bools, strings, complex, arrays with elements: refused by the caller
 
@@ -21,7 +21,7 @@ def _real(v):  # a real number, NumPy's scalars and 0-d real arrays too (PyTorch
 def check_hyper_parameters(owner: str, lr, betas, eps, weight_decay) -> tuple:
     """``(lr, betas, eps, weight_decay)`` as floats; ValueError naming ``owner`` and the values, unless they are the
     finite numbers the message says."""
-    is_pair = isinstance(betas, (tuple, list)) or isinstance(betas, np.ndarray) and betas.ndim == 1
+    is_pair = isinstance(betas, (tuple, list)) or (isinstance(betas, np.ndarray) and betas.ndim == 1)
     pair = tuple(map(_real, betas)) if is_pair else ()  # betas=0.9 or lr='1e-3': named as well
     lr_, eps_, wd_ = map(_real, (lr, eps, weight_decay))
     if not (len(pair) == 2 and all(type(v) is float for v in (lr_, eps_, wd_, *pair))
