@@ -13,7 +13,7 @@ compares its outputs (``--json`` summary, ``model.npz``):
    site and batch row: the same bits on any array module and any layout); every loss and every final weight
    within 1e-9.
 2. ``mpiexec -n 2`` on one GPU with the MPI communicator (``--comm mpi``: device buffers stage
-   through host memory unless the MPI is CUDA-aware) equals one process at the same global batch.
+   through host memory) equals one process at the same global batch.
 3. NCCL: training with ``--comm nccl`` at world size 1 equals ``--comm mpi``; the hand-written
    ring/recursive-doubling and NCCL's native collectives (``--native-comm``) equal NumPy at world
    size 1, and at 2 ranks when at least 2 GPUs exist (NCCL allows one rank per GPU; the table says
