@@ -54,6 +54,7 @@ DIAGNOSES = (TrainingDiverged, LossScaleError, WriteError, OffloadError, CommTim
              CollectiveMismatchError, ReplicaMismatchError, AnomalyError)
 MEMORY_HINT = "lower --micro-batch-size, or use --recompute, --zero, --offload-activations or more ranks"
 _ABORT_GRACE_S = 0.5  # after writing its message a failing rank waits this long, so a peer's message lands too
+_FORWARD_S = 0.2  # an interrupted rank 0's wait between its line and MPI_Abort (< the others' 1 s)
 
 
 def use_tracemalloc(args) -> bool:
@@ -351,6 +352,7 @@ def main(argv=None) -> int:
             _write_stderr(wrapped(f"{'' if rank == 0 else f'[rank {rank}] '}minizero.train: interrupted ({name}); "
                                   f"files already written are left as they were{_earlier_note(earlier)}") + "\n")
             if comm.world_size > 1:  # one process has no peer to stop (MPICH would add an "Abort(130)" line)
+                time.sleep(_FORWARD_S)  # MPI_Abort at once: mpiexec killed all before forwarding the line (1 in 50)
                 comm.abort(code)
             return code
         if stdout_reader_gone(e):  # | head -2: the Unix way, no traceback, 141 = 128 + SIGPIPE; the abort ends every

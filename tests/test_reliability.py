@@ -419,6 +419,36 @@ def test_ctrl_c_prints_one_interrupted_line(mpiexec):
     assert err.count("interrupted") == 1, err
 
 
+#: the main job whose training is interrupted at once on every rank (as mpiexec forwards Ctrl-C); each rank's
+#: MPI_Abort says on stderr how long after its "interrupted" line it came
+_ABORT_AFTER_LINE = """
+import os, sys, time
+import minizero.train as train
+from minizero.comm.mpi import MPICommunicator
+written, write, abort = [], train._write_stderr, MPICommunicator.abort
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+def noted(text):
+    write(text)
+    written.append(time.monotonic())
+def timed(self, code):
+    os.write(2, b"abort %.3f s after the line\\n" % (time.monotonic() - written[-1]))
+    abort(self, code)
+train.train, train._write_stderr, MPICommunicator.abort = interrupted, noted, timed
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_leaves_mpiexec_time_to_forward_its_interrupted_line(mpiexec):
+    """Before: rank 0 wrote its line and called MPI_Abort at once; mpiexec killed the job and, about 1 run in 50,
+    exited before forwarding the line (test_ctrl_c_prints_one_interrupted_line: stderr '', status 130)."""
+    proc, _ = launch(mpiexec, 2, [*TINY, "--no-save", "--no-progress"], module=("-c", _ABORT_AFTER_LINE))
+    assert proc.returncode == 130 and proc.stderr.count("interrupted") == 1, proc.stderr
+    gap = float(re.search(r"abort ([\d.]+) s after the line", proc.stderr).group(1))
+    assert gap >= 0.1, proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_one_process_that_fails_or_is_interrupted_says_nothing_of_mpi_abort():
     """One process has no peer to stop: MPI_Abort added MPICH's "Abort(130) on node 0 (rank 0 in comm 0):
