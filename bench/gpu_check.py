@@ -50,7 +50,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # run from a checkout without installing
 from minizero import jsons  # noqa: E402
 from minizero.files import atomic_write, check_writable_file  # noqa: E402
-from minizero.overwrite import refuse_foreign, refuse_read_back, refuse_slash_or_dangling  # noqa: E402
+from minizero.overwrite import refuse_blocking, refuse_foreign, refuse_read_back, refuse_slash_or_dangling  # noqa: E402
 from minizero.temporaries import unwritable  # noqa: E402
 from minizero.streams import check_stream, stream_fd  # noqa: E402
 from minizero.interrupts import run_group, start_mpi  # noqa: E402
@@ -434,8 +434,9 @@ def _json_target_why(path: str) -> str | None:
     if os.path.isdir(path):
         return "is a directory; give a file path"
     if os.path.lexists(path):
-        if not os.path.isfile(path):
-            return "is not a regular file (a device, FIFO or dangling link); give a new file path"
+        if not os.path.isfile(path):  # a device such as /dev/null is written into (as train.py's --json)
+            refuse_blocking(path, "--json")  # a FIFO would wait for a reader after the whole check
+            return None
         refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
     check_writable_file(path)
     return None

@@ -500,6 +500,15 @@ def test_gpu_check_probes_its_jsons_own_temporary(tmp_path):
     assert "longer than the file system's" in problem, problem
 
 
+def test_gpu_check_writes_its_json_into_dev_null_and_refuses_a_fifo(tmp_path):
+    """Before: --json /dev/null was refused ("not a regular file"), where train.py's --json writes into it."""
+    gpu_check = load("gpu_check")
+    assert gpu_check.json_target_problem(os.devnull) is None
+    os.mkfifo(tmp_path / "pipe")
+    problem = gpu_check.json_target_problem(str(tmp_path / "pipe"))
+    assert "is a named pipe (FIFO)" in problem, problem
+
+
 def test_3d_main_job_refuses_a_keep_folder_train_would_refuse_before_any_run(monkeypatch, capsys, tmp_path):
     """Before: the fourth run's --out (a user's file in --keep) was refused by train after three runs, a traceback."""
     (tmp_path / "3d_long").write_text("notes")
