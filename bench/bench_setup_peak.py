@@ -132,11 +132,12 @@ def main(argv=None) -> int:
     if as_json:
         print(json.dumps(rows))
     else:
-        mb = 2.0 ** 20
+        unit = "MiB" if rows[0]["model_bytes"] >= 10 * 2 ** 20 else "KiB"  # a tiny model read 0.0 MiB throughout
+        mb = 2.0 ** (20 if unit == "MiB" else 10)
         print(_machine.header())
-        print(f"whole model: {rows[0]['model_bytes'] / mb:.1f} MiB of parameters; process peak and kept: tracemalloc "
-              "(on through set-up)")  # the header said nothing of how the process figures were measured
-        print("rank  params peak  params kept  ledger peak  ledger kept  process peak  process kept  (MiB)")
+        print(f"whole model: {rows[0]['model_bytes'] / mb:.1f} {unit} of parameters; process peak and kept: "
+              "tracemalloc (on through set-up)")  # the header said nothing of how the process figures were measured
+        print(f"rank  params peak  params kept  ledger peak  ledger kept  process peak  process kept  ({unit})")
         for r in rows:
             print(f"{r['rank']:>4}  {r['params_peak'] / mb:11.1f}  {r['params_kept'] / mb:11.1f}  "
                   f"{r['ledger_peak'] / mb:11.1f}  {r['ledger_kept'] / mb:11.1f}  {r['process_peak'] / mb:12.1f}  "

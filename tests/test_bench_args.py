@@ -557,3 +557,14 @@ def test_3d_main_job_reuse_says_when_its_runs_were_made_and_shows_step_20_once(m
                       "summary.json files' times; summary.json records no commit): the line above is this machine "
                       "and checkout now, not the runs'"), out[:2]
     assert "| `--steps 21`: train loss at steps 0 / 10 / 20 | 1.0000 / 1.1000 / 1.2000 |" in "\n".join(out), out
+
+
+@pytest.mark.timeout(120)
+def test_setup_peak_prints_a_tiny_model_in_kib():
+    """Before: every column of a tiny model's table read 0.0 (MiB)."""
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_setup_peak.py"), "--model", "tiny"],
+                       capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("whole model: ") and lines[1].split()[3] == "KiB", r.stdout
+    assert lines[2].endswith("(KiB)") and float(lines[3].split()[1]) > 1, r.stdout  # params peak, KiB
