@@ -11,6 +11,7 @@ within 5e-3, and an overflow on one rank skips the step on every rank.
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -74,7 +75,7 @@ def test_the_traffic_rows_add_up_to_the_world_total():
     """Before: the loss, norm and digests had no row, and the tied embedding's reduction sat in the pp row
     unlabelled: `--zero 1` on 4 ranks showed dp 384.75 KiB of a world total of 387.83 KiB."""
     lines = run_in_threads(8, _traffic_table)[0]
-    sent = {line.split()[0]: line.split("node(s),")[1].split()[:2] for line in lines if "node(s)," in line}
+    sent = {line.split()[0]: re.split(r" nodes?,", line)[1].split()[:2] for line in lines if re.search(r" nodes?,", line)}
     sent = {k: float(v) * {"B": 1, "KiB": 1024}[unit.rstrip(",")] for k, (v, unit) in sent.items()}
     assert sent == {"tp": 1024, "dp": 2048, "pp": 4096, "embed": 768, "other": 1024}, lines  # over the 8 ranks
     world = next(line for line in lines if line.startswith("  world: "))
@@ -85,7 +86,8 @@ def _rows_and_world(lines):
     """A traffic table's rows' bytes sent ({name: bytes}) and the world line's."""
     def nbytes(value, unit):
         return float(value) * {"B": 1, "KiB": 1024}[unit.rstrip(",;")]
-    sent = {line.split()[0]: nbytes(*line.split("node(s),")[1].split()[:2]) for line in lines if "node(s)," in line}
+    sent = {line.split()[0]: nbytes(*re.split(r" nodes?,", line)[1].split()[:2])
+            for line in lines if re.search(r" nodes?,", line)}
     return sent, nbytes(*next(line for line in lines if line.startswith("  world: ")).split()[1:3])
 
 
@@ -131,15 +133,15 @@ def test_the_traffic_rows_line_up_however_long_a_label_or_a_count():
     run's edp row) or a longer label ("other (all 4 ranks)") pushed that row's columns out of line."""
     from minizero.parallel.placement import traffic_rows
 
-    rows = traffic_rows([("ep    (2 rank(s) each): 1 node(s),", "63.12 KiB", "0 B", "expert all-to-all"),
-                         ("edp   (2 rank(s) each): 1 node(s),", "128.00 KiB", "0 B", "expert gradients"),
-                         ("dp    (4 rank(s) each): 1 node(s),", "213.00 KiB", "?", ""),
-                         ("other (all 1024 ranks): 128 node(s),", "4.41 KiB", "1023.99 MiB", "loss")])
+    rows = traffic_rows([("ep    (2 ranks each): 1 node,", "63.12 KiB", "0 B", "expert all-to-all"),
+                         ("edp   (2 ranks each): 1 node,", "128.00 KiB", "0 B", "expert gradients"),
+                         ("dp    (4 ranks each): 1 node,", "213.00 KiB", "?", ""),
+                         ("other (all 1024 ranks): 128 nodes,", "4.41 KiB", "1023.99 MiB", "loss")])
     assert len({row.index("B, ") for row in rows}) == 1, rows  # every bytes-sent column ends at one column
     assert len({row.find("   (", 10) if "   (" in row[10:] else len(row) for row in rows}) == 1, rows  # across
-    assert rows[2] == "  dp    (4 rank(s) each): 1 node(s),   213.00 KiB,           ?"
-    assert traffic_rows([("tp    (2 rank(s) each): 1 node(s),", "1 B", "0 B", "")]) == [
-        "  tp    (2 rank(s) each): 1 node(s),       1 B,       0 B"]  # 9 columns at least, as before
+    assert rows[2] == "  dp    (4 ranks each): 1 node,      213.00 KiB,           ?"
+    assert traffic_rows([("tp    (2 ranks each): 1 node,", "1 B", "0 B", "")]) == [
+        "  tp    (2 ranks each): 1 node,       1 B,       0 B"]  # 9 columns at least, as before
 
 
 def _many_groups_on_many_nodes(comm):

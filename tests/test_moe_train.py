@@ -332,8 +332,8 @@ def test_the_expert_gradient_reduction_is_the_edp_row_of_the_traffic_table():
         assert by_edp["all_reduce"] == steps * r["experts"]  # the expert gradients, over 2 ranks
         assert by_dp["all_reduce"] - by_edp["all_reduce"] == steps * r["dense"]  # the dense ones, over 4
     table = runs[0]["lines"]
-    edp_row = next(line for line in table if line.startswith("  edp   (2 rank(s) each)"))
-    dp_row = next(line for line in table if line.startswith("  dp    (4 rank(s) each)"))
+    edp_row = next(line for line in table if line.startswith("  edp   (2 ranks each)"))
+    dp_row = next(line for line in table if line.startswith("  dp    (4 ranks each)"))
     assert f"{format_bytes(sum(r['experts'] for r in runs)):>9s}, " in edp_row
     assert dp_row.endswith(f"{format_bytes(sum(r['dense'] for r in runs)):>9s},         ?")
 
@@ -355,9 +355,9 @@ def test_the_edp_row_counts_its_bytes_across_nodes():
     assert all(sent == crossed > 0 for _, sent, crossed, _ in runs)
     edp = format_bytes(sum(sent for _, sent, _, _ in runs) / steps)
     table = runs[0][0]
-    assert next(line for line in table if line.startswith("  edp   (2 rank(s) each): 2 node(s),")).endswith(
+    assert next(line for line in table if line.startswith("  edp   (2 ranks each): 2 nodes,")).endswith(
         f"{edp:>9s}, {edp:>9s}   (expert gradients over the ranks holding the same experts)")
-    assert next(line for line in table if line.startswith("  ep    (2 rank(s) each): 1 node(s),")).split(",")[2] \
+    assert next(line for line in table if line.startswith("  ep    (2 ranks each): 1 node,")).split(",")[2] \
         .strip() == "0 B   (expert all-to-all)"  # in a column as wide as its widest count
     assert f" + ep 0 B + edp {edp} + pp " in next(line for line in table if line.startswith("  world: "))
 

@@ -200,12 +200,12 @@ def test_traffic_kinds_add_up_with_cp_and_pp(attention, pp, mpiexec, tmp_path):
     assert f"model states per rank at the optimizer step ({holds})" in said
     assert "other (loss, norm, flags, metrics, replica digests): r0-1 " in said  # the default replica check's bytes
     # the per-step traffic table gives ring attention its own cp row (its group is split from the data group)
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 rank(s) each)"))
-    value, unit = re.search(r"node\(s\),\s+([\d.]+) (B|KiB|MiB)", row).groups()
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("  cp    (2 ranks each)"))
+    value, unit = re.search(r"nodes?,\s+([\d.]+) (B|KiB|MiB)", row).groups()
     per_step = sum(kinds["context_parallel_attention"]) / 2
     assert float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit] == pytest.approx(per_step, rel=1e-3), (row, per_step)
     assert ("(ring attention)" if attention == "ring" else "(Ulysses all-to-all)") in row
-    assert any(line.startswith("  dp-cp (2 rank(s) each)") for line in proc.stdout.splitlines())
+    assert any(line.startswith("  dp-cp (2 ranks each)") for line in proc.stdout.splitlines())
 
 
 @pytest.mark.timeout(180)
@@ -257,7 +257,7 @@ def test_traffic_per_step_leaves_validation_out(mpiexec, tmp_path):
         out = tmp_path / str(i)
         proc, _ = launch(mpiexec, 2, TINY + ["--tp", "2", "--eval-batches", eval_batches, "--out", str(out)])
         assert proc.returncode == 0, proc.stderr
-        rows.append(next(line for line in proc.stdout.splitlines() if line.startswith("  tp    (2 rank(s) each)")))
+        rows.append(next(line for line in proc.stdout.splitlines() if line.startswith("  tp    (2 ranks each)")))
         assert "(split over the ranks: each holds its tensor-parallel shard)" in " ".join(proc.stdout.split())
         kinds.append(json.loads((out / "summary.json").read_text())["bytes_sent_by_kind"])
     assert rows[0] == rows[1]

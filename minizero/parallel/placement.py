@@ -12,7 +12,7 @@ import numpy as np
 from minizero.comm.collectives import all_reduce
 from minizero.comm.hierarchical import cross_node_bytes
 from minizero.ledger import format_bytes
-from minizero.numerals import wrapped
+from minizero.numerals import counted, wrapped
 from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
 
@@ -68,6 +68,10 @@ def traffic_rows(rows: list[tuple[str, str, str, str]]) -> list[str]:
     return [f"  {h:{head}s} {s:>{sent}s}, {a:>{across}s}" + (f"   ({note})" if note else "") for h, s, a, note in rows]
 
 
+def _group(label: str, ranks: int, nodes: int) -> str:  # a row's first cell: "tp    (2 ranks each): 1 node,"
+    return f"{label:5s} ({ranks} ranks each): {counted(nodes, 'node')},"
+
+
 def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", cp: int = 1,
                  cp_attention: str = "ring", ep: int = 1, edp=None) -> list[str]:
     """Collective over ``topo.world``: the per-step traffic table lines on world rank 0 ([] elsewhere).
@@ -115,30 +119,29 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
             sub = [g[j:j + n] for g in topo.all_groups("dp") for j in range(0, len(g), n)]
             what = ("expert all-to-all" if ep > 1
                     else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all")
-            rows.append((f"{'ep' if ep > 1 else 'cp':5s} ({n} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
-                         "node(s),", _fmt(total[10]), _fmt(total[11]) if known else "?", what))
+            rows.append((_group("ep" if ep > 1 else "cp", n, max(topo.nodes.spans(g) for g in sub)), _fmt(total[10]),
+                         _fmt(total[11]) if known else "?", what))
             shown.append(10)
             if topo.dp == n and not total[2]:
                 continue
         if k == "dp" and edp is not None and edp.world_size > 1:
             sub = [g[j::ep] for g in topo.all_groups("dp") for j in range(ep)]  # expert_groups' colour r % ep
-            rows.append((f"{'edp':5s} ({edp.world_size} rank(s) each): {max(topo.nodes.spans(g) for g in sub)} "
-                         "node(s),", _fmt(total[14]), _fmt(total[15]) if known else "?",
-                         "expert gradients over the ranks holding the same experts"))
+            rows.append((_group("edp", edp.world_size, max(topo.nodes.spans(g) for g in sub)), _fmt(total[14]),
+                         _fmt(total[15]) if known else "?", "expert gradients over the ranks holding the same experts"))
             shown.append(14)
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
-        rows.append((f"{label:5s} ({getattr(topo, k)} rank(s) each): {topo.nodes_spanned(k)} node(s),",
+        rows.append((_group(label, getattr(topo, k), topo.nodes_spanned(k)),
                      _fmt(total[2 * i]), _fmt(total[2 * i + 1]) if known else "?", ""))
         shown.append(2 * i)
         if k == "pp" and embed:
-            rows.append((f"embed (2 rank(s) each): {topo.nodes_spanned('embed')} node(s),", _fmt(total[18]),
+            rows.append((_group("embed", 2, topo.nodes_spanned("embed")), _fmt(total[18]),
                          _fmt(total[19]) if known else "?", "the tied embedding's gradient"))
             shown.append(18)
     other_sent = (net[6] - sum(net[i] for i in shown)) / steps
     other = (net[7] - sum(net[i + 1] for i in shown)) / steps
     if other_sent or other:  # the world's bytes in no row above: the rows add up to its total
-        rows.append((f"other (all {topo.world.world_size} ranks): {topo.nodes.n_nodes} node(s),", _fmt(other_sent),
-                     _fmt(other) if known else "?", "loss, norm, flags, metrics, digests"))
+        rows.append((f"other (all {topo.world.world_size} ranks): {counted(topo.nodes.n_nodes, 'node')},",
+                     _fmt(other_sent), _fmt(other) if known else "?", "loss, norm, flags, metrics, digests"))
     lines += traffic_rows(rows)
     if known and topo.nodes.n_nodes == 1:
         lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
@@ -156,7 +159,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
                      f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
-                     f"hierarchical {_fmt(total[9])} ({topo.nodes.n_nodes} node(s))")
+                     f"hierarchical {_fmt(total[9])} ({counted(topo.nodes.n_nodes, 'node')})")
     if not known:
         lines.append("  (across nodes: unknown, the world communicator does not know its nodes)")
     return [cut for line in lines for cut in _wrapped(line)]
