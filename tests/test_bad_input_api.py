@@ -322,3 +322,15 @@ def test_generate_takes_numpy_s_numbers_as_a_temperature(tiny):
     prompt = np.array([[1]])
     np.testing.assert_array_equal(tiny.generate(prompt, 2, np.int64(0)), tiny.generate(prompt, 2, 0.0))
     assert tiny.generate(prompt, 2, np.float32(0.5)).shape == (1, 3)
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(step=-2), "step"), (dict(step=1.5), "step"), (dict(warmup=-1), "warmup"),
+                                         (dict(total=True), "total")])
+def test_cosine_lr_refuses_a_negative_or_fractional_step(kwargs, name):
+    """Before: step -2 in warm-up gave the learning rate -max_lr / warmup; 1.5 an lr between two steps'."""
+    from minizero.optim.adamw import cosine_lr
+
+    args = {**dict(step=3, max_lr=1.0, warmup=4, total=12, min_lr=0.1), **kwargs}
+    with pytest.raises(ValueError, match=f"cosine_lr: {name}="):
+        cosine_lr(**args)
+    assert cosine_lr(np.int64(3), 1.0, 4, 12, 0.1) == 1.0  # NumPy's integers, as a loop over np.arange gives

@@ -88,7 +88,13 @@ class AdamW(Optimizer):
 
 
 def cosine_lr(step: int, max_lr: float, warmup: int, total: int, min_lr: float) -> float:
-    """Learning rate at 0-based ``step``: ``max_lr * (step + 1) / warmup``, then cosine to ``min_lr`` at ``total``."""
+    """Learning rate at 0-based ``step``: ``max_lr * (step + 1) / warmup``, then cosine to ``min_lr`` at ``total``.
+
+    Raises: ValueError for a ``step``, ``warmup`` or ``total`` that is not an integer >= 0 (step -2 gave a
+    negative learning rate in warm-up)."""
+    for name, v in (("step", step), ("warmup", warmup), ("total", total)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"cosine_lr: {name}={v!r}; allowed: an integer >= 0")
     if step < warmup:
         return max_lr * (step + 1) / warmup
     if step >= total:
