@@ -104,8 +104,11 @@ def quantized_nbytes(shape, bits: int = 8, granularity: str = "tensor", block_si
 
 # --------------------------------------------------------------------------- INT4 packing
 def pack_int4(codes):
-    """Pack 4-bit codes in [-8, 7] two per byte: uint8 (ceil(n/2),), element 2i low nibble; ValueError outside."""
+    """Pack 4-bit codes in [-8, 7] two per byte: uint8 (ceil(n/2),), element 2i low nibble; ValueError outside
+    the range or for codes that are not integers (float 1.7 was packed as 1)."""
     codes = _array(codes)
+    if codes.dtype.kind not in "iu":
+        raise ValueError(f"INT4 codes must be an integer array, got dtype {codes.dtype}")
     xp = backend.array_module(codes)
     c = codes.reshape(-1).astype(np.int16)
     if c.size:
@@ -160,7 +163,7 @@ def quantize(x, bits: int = 8, granularity: str = "tensor", block_size: int = 64
     scale = scale.reshape(()) if granularity == "tensor" else scale
     if bits == 8:
         return q.astype(np.int8).reshape(x.shape), scale
-    return pack_int4(q), scale
+    return pack_int4(q.astype(np.int8)), scale
 
 
 def element_scale(scale, shape, granularity: str = "tensor", block_size: int = 64):

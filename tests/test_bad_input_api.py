@@ -334,3 +334,12 @@ def test_cosine_lr_refuses_a_negative_or_fractional_step(kwargs, name):
     with pytest.raises(ValueError, match=f"cosine_lr: {name}="):
         cosine_lr(**args)
     assert cosine_lr(np.int64(3), 1.0, 4, 12, 0.1) == 1.0  # NumPy's integers, as a loop over np.arange gives
+
+
+def test_pack_int4_refuses_float_codes():
+    """Before: float codes were truncated toward zero (1.7 packed as 1, -0.5 as 0) without a word."""
+    from minizero.quantization import pack_int4, unpack_int4
+
+    with pytest.raises(ValueError, match="must be an integer array, got dtype float64"):
+        pack_int4(np.array([1.7, -0.5]))
+    assert unpack_int4(pack_int4([1, -8, 7]), 3).tolist() == [1, -8, 7]  # a list of ints still packs
