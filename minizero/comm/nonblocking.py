@@ -113,16 +113,15 @@ def _wait_until(comm, done, what: str, peer=lambda: None) -> None:
 
 
 class Stream:
-    """Collectives run one at a time in :meth:`submit` order (a NCCL stream); each one's ``on_done()`` runs when it
-    ends."""
+    """Collectives run one at a time in :meth:`submit` order (a NCCL stream)."""
 
     def __init__(self, comm):
         self.comm = comm
-        self.queue: list[tuple[RingCollective, object]] = []
+        self.queue: list[RingCollective] = []
 
-    def submit(self, coll: RingCollective, on_done=None) -> None:
+    def submit(self, coll: RingCollective) -> None:
         """Queue ``coll`` (not yet started); it starts at once if the stream is idle."""
-        self.queue.append((coll, on_done))
+        self.queue.append(coll)
         coll.post()
         if len(self.queue) == 1:
             coll.start()
@@ -131,14 +130,11 @@ class Stream:
     def progress(self) -> bool:
         """Advance without waiting; True when nothing is left in flight."""
         while self.queue:
-            coll, on_done = self.queue[0]
-            if not coll.progress():
+            if not self.queue[0].progress():
                 return False
             self.queue.pop(0)
-            if on_done is not None:
-                on_done()
             if self.queue:
-                self.queue[0][0].start()
+                self.queue[0].start()
         return True
 
     def synchronize(self) -> None:
@@ -150,4 +146,4 @@ class Stream:
         _wait_until(self.comm, lambda: self.progress() or coll.done, what or coll.name, self._head_waiting_on)
 
     def _head_waiting_on(self) -> int | None:
-        return self.queue[0][0].waiting_on() if self.queue else None
+        return self.queue[0].waiting_on() if self.queue else None
