@@ -7,6 +7,7 @@ last contribution. Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``sa
 """
 from __future__ import annotations
 
+import math
 import threading
 
 from minizero import backend
@@ -15,6 +16,7 @@ from minizero.autograd.grad_mode import (current_saved_tensors_hooks, enable_gra
 from minizero.ledger import get_ledger
 
 _running = threading.local()  # per rank thread: depth of the running backwards, callbacks for the outermost
+
 
 class Context:
     """The per-call record ``ctx``: ``needs_input_grad``, ``save_for_backward(*arrays)``, ``saved_tensors``."""
@@ -208,7 +210,7 @@ class Tensor:
     def mean(self, axis=None, keepdims: bool = False):
         """Mean over ``axis`` (None: all elements): the sum times 1/n."""
         n = self.size if axis is None else (
-            self.shape[axis] if isinstance(axis, int) else int(backend.xp.prod([self.shape[i] for i in axis])))
+            self.shape[axis] if isinstance(axis, int) else math.prod(self.shape[i] for i in axis))
         return self.sum(axis=axis, keepdims=keepdims) * (1.0 / n)
 
     def reshape(self, *shape):
