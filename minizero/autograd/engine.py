@@ -291,6 +291,11 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
     want = root.grad_fn.output_meta[root._out_index][0] if root.grad_fn is not None else root.shape
     if grad.shape != want:
         raise ValueError(f"grad has shape {grad.shape}; the root has shape {want} (grad must have it too)")
+    if root.grad_fn is None:  # a leaf root: its gradient is the one given
+        _accumulate_leaf(root, grad)
+        for hook in root._post_accumulate_hooks:
+            hook(root)
+        return
     nodes = _topological_nodes(root)
     # how many times each leaf will receive a gradient, so hooks fire after the last one
     pending = {}
@@ -298,14 +303,8 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
         for e in node.edges:
             if isinstance(e, Tensor):
                 pending[id(e)] = pending.get(id(e), 0) + 1
-    grads = {}  # id(node) -> list of output grads
     split = getattr(_running, "split", None)  # autograd/split_backward.py's WeightGradients, collecting W work
-    if root.grad_fn is None:
-        _accumulate_leaf(root, grad)
-        for hook in root._post_accumulate_hooks:
-            hook(root)
-        return
-    grads[id(root.grad_fn)] = [None] * root.grad_fn.num_outputs
+    grads = {id(root.grad_fn): [None] * root.grad_fn.num_outputs}  # id(node) -> its outputs' gradients
     grads[id(root.grad_fn)][root._out_index] = grad
     for node in nodes:
         outs = grads.pop(id(node), None)
