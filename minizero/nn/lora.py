@@ -58,6 +58,7 @@ class _NF4Matmul(Function):
     def backward(ctx, g):
         w = ctx.weight_nf4.dequantize(ctx.dtype)
         dx = backend.matmul(backend.matmul_operand(g), backend.matmul_operand(w))
+        # one gradient per input, x's only: (x, weight_nf4, dtype) or (x, weight_nf4, dtype, bias), the bias frozen
         return (dx.astype(np.result_type(g.dtype, w.dtype), copy=False), None, None, None)[:len(ctx.needs_input_grad)]
 
 

@@ -167,7 +167,7 @@ class HeadParallelDropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        keep = self.reserve_mask(x.shape).block(tuple(slice(0, d) for d in x.shape))  # only (b, h, t, s) draws
+        keep = self.reserve_mask(x.shape).block(tuple(slice(0, d) for d in x.shape))  # only these heads' draws
         return F.Dropout.apply(x, keep, self.p)
 
     def reserve_mask(self, shape):
