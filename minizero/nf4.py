@@ -127,10 +127,14 @@ class NF4Tensor:
 
 def shard_runs(shape: tuple[int, int], stride: int, row_parallel: bool, tp: int, rank: int = 0, name: str = "a"):
     """(first, pitch, count, length) in blocks of rank ``rank``'s :class:`NF4Shard` of an (out, in) weight split
-    by rows (``stride`` runs) or columns over ``tp``. ValueError: a run is not whole blocks, naming the weight."""
+    by rows (``stride`` runs) or columns over ``tp``. Raises ValueError naming the weight: ``tp`` does not divide the
+    split dimension, or a run is not whole blocks of :data:`BLOCK`."""
     out_f, in_f = shape
+    split, what = (in_f, "columns") if row_parallel else (out_f // stride, "rows per stride block")
+    if split % tp:
+        raise ValueError(f"tp {tp} does not divide the {split} {what} of {name} weight {tuple(shape)}")
     run = in_f // tp if row_parallel else out_f // (stride * tp) * in_f
-    if run % BLOCK or (in_f if row_parallel else out_f // stride) % tp:
+    if run % BLOCK:
         raise ValueError(f"tp {tp} splits {name} weight {tuple(shape)} into runs of {run} elements per rank, not a "
                          f"multiple of the NF4 block {BLOCK}")
     length = run // BLOCK

@@ -126,7 +126,7 @@ def unpack_int4(packed, n: int):
     packed = _array(packed)
     xp = backend.array_module(packed)
     p = packed.astype(np.uint8, copy=False).reshape(-1)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:  # n=-1 returned all but the last code
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:  # [:-1] would drop the last code
         raise ValueError(f"n={n!r}; allowed: an int >= 0, the number of codes packed")
     if p.size < (n + 1) // 2:
         raise ValueError(f"{p.size} packed bytes hold at most {2 * p.size} codes, asked for {n}")

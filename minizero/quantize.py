@@ -2,7 +2,8 @@
 
 Loads ``OUT/model.npz`` (config by :func:`minizero.weights.model_config`'s rule, as sample), replaces every
 :class:`~minizero.nn.Linear` by a :class:`QuantizedLinear` (weight-only, dequantized in forward; embeddings,
-layer norms, biases and the tied head stay FP32) and prints validation loss and bytes before and after;
+layer norms, biases and the tied head stay in the stored dtype: FP32, or float16 after an FP16 run) and prints
+validation loss and bytes before and after;
 ``--table`` for every bits x granularity. ``--outlier-threshold T`` keeps FP32 the weight columns whose input
 feature reaches T on two calibration batches (LLM.int8()'s criterion, arXiv:2208.07339, section 3.2). The layer
 is in :mod:`minizero.quantized_model`, weight reading in :mod:`minizero.weights`. One process (several ranks under
@@ -73,7 +74,8 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def run(args) -> dict:
-    """Measure the configurations ``args`` asks for; returns ``{"baseline": {...}, "rows": [...]}``."""
+    """Measure the configurations ``args`` asks for; returns ``{"baseline": {...}, "rows": [...], ...}`` (also
+    ``weights``, ``num_parameters``, ``config``, ``tokens``, ``calibration``, ``outlier_threshold``: the --json)."""
     state = read_weights(args.weights)
     notes = []
     model, summary = load_trained(args.weights, args.model, state, flag="--model", notes=notes)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from minizero import backend
 import minizero.autograd as A
 from minizero.autograd import Tensor, functional as F
 
@@ -73,6 +74,14 @@ def test_unary_and_scalar_ops():
 def test_reductions(axis, keepdims):
     check_op(lambda a: a.sum(axis=axis, keepdims=keepdims), r(2, 3, 4))
     check_op(lambda a: a.mean(axis=axis, keepdims=keepdims), r(2, 3, 4))
+
+
+def test_mean_over_several_axes_runs_on_a_device_array_module(strict_backend):
+    """Tensor.mean(axis=(0, 2)) counts its elements in Python: it gave xp.prod a list, which CuPy (and the strict
+    module) refuse."""
+    x = Tensor(strict_backend.xp.asarray(np.arange(24.0).reshape(2, 3, 4)), requires_grad=True)
+    got = x.mean(axis=(0, 2))
+    assert np.array_equal(backend.to_host(got.data), np.arange(24.0).reshape(2, 3, 4).mean(axis=(0, 2)))
 
 
 @pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)), ((2, 3, 4), (4, 5)),

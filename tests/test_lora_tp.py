@@ -225,6 +225,17 @@ def test_plan_and_finetune_refuse_a_qlora_split_in_the_same_words(capsys):
     assert nf4_shard_refusal(get_config("tiny"), 2).startswith(said)
 
 
+def test_shard_runs_says_when_tp_does_not_divide_the_split_dimension():
+    """A (64, 193) row-parallel weight at tp 3: runs of 193 // 3 = 64 elements are whole blocks, but 3 does not
+    divide the 193 columns; the refusal says so (it said 'runs of 64 elements per rank, not a multiple of the NF4
+    block 64')."""
+    from minizero.nf4 import shard_runs
+    with pytest.raises(ValueError, match=r"tp 3 does not divide the 193 columns of the w weight \(64, 193\)"):
+        shard_runs((64, 193), 1, True, 3, name="the w")
+    with pytest.raises(ValueError, match=r"tp 3 does not divide the 64 rows per stride block of the w weight"):
+        shard_runs((2 * 64, 64), 2, False, 3, name="the w")  # runs of 64 // 3 rows x 64: whole blocks too
+
+
 @pytest.mark.parametrize("argv, allowed", [
     (["tiny", "--gpus", "2", "--finetune", "qlora", "--tp", "2"], "allowed on 2 GPUs: --tp 1 (or --finetune lora)"),
     (["llama2-7b", "--gpus", "8", "--finetune", "qlora", "--tp", "8"], "on 8 GPUs: --tp 1, 2, 4 (or --finetune"),

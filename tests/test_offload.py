@@ -156,7 +156,10 @@ def test_a_buffer_saved_twice_is_offloaded_once(kind, tmp_path):
     assert np.array_equal(off.unpack(off.pack(a.T)), a.T)  # same buffer, address and shape; other strides
     assert np.array_equal(off.unpack(p1), a) and np.array_equal(off.unpack(p2), a)  # both saves read it back
     if kind == "nvme":
-        assert p1.file.closed  # after its last save's unpack
+        f = p1.file
+        assert not f.closed  # readable while a save holds it (retain_graph reads it again)
+        del p1, p2
+        assert f.closed  # closed, its blocks released, with the last save that held it
     # in a graph: x -> softmax -> (att @ v): att is saved twice, packed once
     rng = np.random.default_rng(0)
     x = Tensor(rng.standard_normal((1, 1, 4, 4)), requires_grad=True)
@@ -170,3 +173,36 @@ def test_a_buffer_saved_twice_is_offloaded_once(kind, tmp_path):
     ref_x, ref_v = Tensor(x.data.copy(), requires_grad=True), Tensor(v.data.copy(), requires_grad=True)
     (causal_softmax(ref_x) @ ref_v).sum().backward()
     assert np.array_equal(x.grad, ref_x.grad) and np.array_equal(v.grad, ref_v.grad)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_buffer_refilled_in_place_is_packed_anew_by_the_next_forward(kind, tmp_path):
+    """Sharing a packed copy lasts while a save holds it. Before: the cpu table kept every copy while the device
+    buffer lived, so a buffer refilled in place (an input or receive buffer reused) gave the next forward the
+    first one's bytes: the second gradient read 1.0 where 2.0 is right."""
+    from minizero.autograd import Tensor
+    off = ActivationOffload(kind, str(tmp_path), min_bytes=0)
+    buf, w = np.ones((16, 16)), Tensor(np.full((16, 16), 3.0), requires_grad=True)
+    for step in (1.0, 2.0):
+        buf[...] = step
+        with off():
+            y = (Tensor(buf) * w).sum()
+        w.grad = None
+        y.backward()
+        assert np.all(w.grad == step)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_backward_twice_with_retain_graph_reads_the_offloaded_arrays_twice(kind, tmp_path):
+    """As without offload (and torch's save_on_cpu): retain_graph keeps the saves readable. Before: nvme closed a
+    file at its last save's first unpack, and the second backward raised 'seek of closed file'."""
+    from minizero.autograd import Tensor
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((16, 16)), requires_grad=True)
+    off = ActivationOffload(kind, str(tmp_path), min_bytes=0)
+    with off():
+        y = (x.tanh() * x.tanh()).sum()
+    y.backward(retain_graph=True)
+    first, x.grad = x.grad.copy(), None
+    y.backward()
+    assert np.array_equal(x.grad, first)

@@ -93,6 +93,15 @@ def test_add_lora_replaces_layers_through_module_swap_modules(monkeypatch, base)
     assert all(isinstance(dict(model.named_modules())[n], LoRALinear) for n in names)
 
 
+def test_add_lora_refuses_the_tied_head_before_freezing_anything():
+    """The head shares wte's weight: adapting it would fold B A into the head alone and untie the merged model.
+    add_lora names it and changes nothing (the filter that meant to skip it matched only modules under it)."""
+    model = GPT(get_config("tiny"), seed=1)
+    with pytest.raises(ValueError, match=r"targets=\('lm_head', 'c_fc'\): lm_head is tied to transformer.wte"):
+        add_lora(model, 2, 4.0, targets=("lm_head", "c_fc"), base="float")
+    assert isinstance(model.lm_head, Linear) and all(p.requires_grad for p in model.parameters())
+
+
 def test_a_lora_rank_above_the_layers_smaller_side_is_refused():
     """Before: --lora-rank 100000 on a width-16 model trained 51M adapter parameters."""
     lin = Linear(6, 5, dtype="float64", rng=np.random.default_rng(0))

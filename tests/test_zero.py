@@ -347,6 +347,13 @@ def test_zero_optimizer_rejects_stage_0():
         run_in_threads(1, lambda comm: zero_optimizer(model, comm, 0))
 
 
+def test_the_formulas_refuse_a_stage_outside_0_to_3_in_the_same_words():
+    """traffic_formula raised a bare KeyError: 4; model_state_formula names the stage and the ones allowed."""
+    for formula in (model_state_formula, traffic_formula):
+        with pytest.raises(ValueError, match=r"stage=4; allowed: 0, 1, 2, 3"):
+            formula(4, 100, 2)
+
+
 def _train_logged(comm, argv):
     lines = []
     train(parse_args(argv, comm.world_size), comm, log=lines.append)

@@ -7,6 +7,7 @@ last contribution. Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``sa
 """
 from __future__ import annotations
 
+import math
 import threading
 
 from minizero import backend
@@ -15,6 +16,7 @@ from minizero.autograd.grad_mode import (current_saved_tensors_hooks, enable_gra
 from minizero.ledger import get_ledger
 
 _running = threading.local()  # per rank thread: depth of the running backwards, callbacks for the outermost
+
 
 class Context:
     """The per-call record ``ctx``: ``needs_input_grad``, ``save_for_backward(*arrays)``, ``saved_tensors``."""
@@ -208,7 +210,7 @@ class Tensor:
     def mean(self, axis=None, keepdims: bool = False):
         """Mean over ``axis`` (None: all elements): the sum times 1/n."""
         n = self.size if axis is None else (
-            self.shape[axis] if isinstance(axis, int) else int(backend.xp.prod([self.shape[i] for i in axis])))
+            self.shape[axis] if isinstance(axis, int) else math.prod(self.shape[i] for i in axis))
         return self.sum(axis=axis, keepdims=keepdims) * (1.0 / n)
 
     def reshape(self, *shape):
@@ -289,6 +291,11 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
     want = root.grad_fn.output_meta[root._out_index][0] if root.grad_fn is not None else root.shape
     if grad.shape != want:
         raise ValueError(f"grad has shape {grad.shape}; the root has shape {want} (grad must have it too)")
+    if root.grad_fn is None:  # a leaf root: its gradient is the one given
+        _accumulate_leaf(root, grad)
+        for hook in root._post_accumulate_hooks:
+            hook(root)
+        return
     nodes = _topological_nodes(root)
     # how many times each leaf will receive a gradient, so hooks fire after the last one
     pending = {}
@@ -296,14 +303,8 @@ def _backward(root: Tensor, grad, retain_graph: bool) -> None:
         for e in node.edges:
             if isinstance(e, Tensor):
                 pending[id(e)] = pending.get(id(e), 0) + 1
-    grads = {}  # id(node) -> list of output grads
     split = getattr(_running, "split", None)  # autograd/split_backward.py's WeightGradients, collecting W work
-    if root.grad_fn is None:
-        _accumulate_leaf(root, grad)
-        for hook in root._post_accumulate_hooks:
-            hook(root)
-        return
-    grads[id(root.grad_fn)] = [None] * root.grad_fn.num_outputs
+    grads = {id(root.grad_fn): [None] * root.grad_fn.num_outputs}  # id(node) -> its outputs' gradients
     grads[id(root.grad_fn)][root._out_index] = grad
     for node in nodes:
         outs = grads.pop(id(node), None)

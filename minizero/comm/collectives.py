@@ -1,7 +1,8 @@
 """Ring reduce-scatter, all-gather and all-reduce on ``sendrecv``; binomial-tree broadcast.
 
 Bytes each rank sends: reduce-scatter and all-gather (N-1)/N * n * itemsize (exact when N divides n),
-all-reduce twice that on the ring, log2(N) * n * itemsize by recursive doubling (small arrays). Sums in the
+all-reduce twice that on the ring, log2(N) * n * itemsize by recursive doubling (up to 256 KiB; N a power of two,
+else :func:`~minizero.comm.recursive_doubling.bytes_sent_recursive_doubling`). Sums in the
 input dtype, in one fixed order, bit-identical on every rank. Each function records its bytes in ``comm.traffic``
 under its own label, counts temporaries as ``comm_scratch`` and takes ``native=True`` to call the library's
 collective instead. Source: Patarasuk & Yuan, JPDC 2009.
@@ -56,7 +57,7 @@ def check_rank(value, what: str, world_size: int) -> int:
     if type(value) is int and 0 <= value < world_size:  # the common case, without numbers.Integral's ABC check
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < world_size:
-        kind = "a bool, not a rank" if isinstance(value, bool) else "not a rank"  # True passed as rank 1 before
+        kind = "a bool, not a rank" if isinstance(value, bool) else "not a rank"  # True would pass as rank 1
         raise ValueError(f"{what}={value!r} is {kind}; allowed: an int in 0..{world_size - 1}")
     return int(value)
 
@@ -259,7 +260,8 @@ def reduce_scatter(comm: Communicator, x, native: bool = False):
     Returns:
         (size,) array of x's dtype: elements ``shard_range(n, world_size, rank)`` of the sum.
     Bytes (``"reduce_scatter"``): (n - size) * itemsize. Scratch: :func:`reduce_scatter_scratch`, at most two
-    largest chunks. Raises ValueError: ``x`` not C-contiguous; sizes differ.
+    largest chunks. Raises TypeError: ``x`` not an array; ValueError: ``x`` not C-contiguous or not numbers; a size
+    that differs from a peer's raises where a message does not fit (module docstring).
     """
     _check_array(x, "x")
     _check_summable(x, "x")
@@ -312,13 +314,15 @@ def all_gather(comm: Communicator, shard, n: int | None = None, native: bool = F
 
 
 def all_reduce(comm: Communicator, x, native: bool = False, out=None):
-    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB, else the ring.
+    """Elementwise sum of ``x`` over ranks, on every rank: recursive doubling up to 256 KiB
+    (``SMALL_ALLREDUCE_MAX_BYTES``, set by ``MINIZERO_SMALL_ALLREDUCE_MAX_BYTES``), else the ring.
 
     Args:
         x: any shape, C-contiguous, same shape and dtype on every rank.  out: optional array of x's shape (may be x
         or overlap it).
     Returns ``out`` (a new array if None). Bytes (``"all_reduce"``): ring 2(N-1)/N * x.nbytes; recursive doubling
-    log2(N) * x.nbytes. Raises ValueError: non-contiguous ``x``/``out``, ``out`` of another shape/dtype or read-only.
+    log2(N) * x.nbytes (N a power of two). Raises TypeError: not an array; ValueError: non-contiguous ``x``/``out``,
+    ``x`` not numbers, ``out`` of another shape/dtype or read-only.
     """
     _check_array(x, "x")
     _check_summable(x, "x")
@@ -335,8 +339,10 @@ def all_reduce(comm: Communicator, x, native: bool = False, out=None):
             if out is not x:
                 out[...] = x
             return out
-        buf = out.reshape(-1)  # a view: the algorithm works in place in out, reading x itself where out would
-        src = None if backend.array_module(x).may_share_memory(out, x) else x.reshape(-1)  # hold a copy of it
+        # the algorithm works in place in out (buf is a view); where out would hold an untouched copy of x it reads
+        # x itself (src), so a separate out is never filled with x first
+        buf = out.reshape(-1)
+        src = None if backend.array_module(x).may_share_memory(out, x) else x.reshape(-1)
         if src is None and out is not x:  # out overlaps x: copy first (the algorithm writes out before it reads x)
             out[...] = x
         if all_reduce_algorithm(buf.nbytes, comm.world_size) == "recursive_doubling":

@@ -31,13 +31,15 @@ MIN_BYTES = 1024  #: saved arrays smaller than this stay on the device (the esti
 
 
 class _OnDisk:
-    """A saved array living in an unnamed file: shape, dtype, the open file object, and how many
-    saves still need it (``users``: the file is closed after the last one's unpack)."""
+    """A saved array living in an unnamed file: shape, dtype and the open file object. The file is closed (its
+    blocks released) when the last save holding this object lets it go: after that node's backward, or with the
+    graph (``retain_graph=True`` keeps it readable, as without offload)."""
 
-    __slots__ = ("file", "shape", "dtype", "users")
+    __slots__ = ("file", "shape", "dtype", "__weakref__")
 
     def __init__(self, file, shape, dtype):
-        self.file, self.shape, self.dtype, self.users = file, shape, dtype, 1
+        self.file, self.shape, self.dtype = file, shape, dtype
+        weakref.finalize(self, file.close)
 
 
 def _buffer_key(a) -> tuple:
@@ -57,7 +59,9 @@ class ActivationOffload:
             raise ValueError(f"activation offload {kind!r} is not one of {KINDS}")
         self.kind, self.min_bytes, self.bytes_offloaded = kind, min_bytes, 0
         self.saves_shared = 0
-        self._packed = {}  # _buffer_key -> packed (host array or _OnDisk), while the device buffer lives
+        # _buffer_key -> packed (host array or _OnDisk) while a save holds it and the device buffer lives: saves of
+        # one buffer in one graph share a copy; a later forward packs the buffer anew (it may have been refilled)
+        self._packed = weakref.WeakValueDictionary()
         self.rank = rank
         self.dir = None
         if kind == "nvme":
@@ -75,8 +79,6 @@ class ActivationOffload:
         packed = self._packed.get(key)
         if packed is not None:  # saved before by another Function: share the copy
             self.saves_shared += 1
-            if isinstance(packed, _OnDisk):
-                packed.users += 1
             return packed
         packed = self._pack_new(a)
         self._packed[key] = packed
@@ -114,10 +116,6 @@ class ActivationOffload:
             f.seek(0)
             count = int(np.prod(packed.shape))
             data = np.fromfile(f, dtype=packed.dtype, count=count)
-            packed.users -= 1
-            if packed.users == 0:
-                f.close()  # the unnamed file's blocks are released here, after its last save's unpack
-                self._forget(packed)
             if data.size != count:
                 raise OffloadError(errno.EIO, f"offloaded activation in {self.dir!r} came back with "
                                               f"{data.size} of {count} elements")
@@ -125,11 +123,6 @@ class ActivationOffload:
         if isinstance(packed, np.ndarray) and backend.name != "numpy":
             return backend.to_device(packed)
         return packed
-
-    def _forget(self, packed) -> None:
-        """Drop ``packed`` from the table (its file is closed: a later save must write anew)."""
-        for key in [k for k, v in self._packed.items() if v is packed]:
-            del self._packed[key]
 
     @contextlib.contextmanager
     def __call__(self):

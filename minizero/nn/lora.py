@@ -58,6 +58,7 @@ class _NF4Matmul(Function):
     def backward(ctx, g):
         w = ctx.weight_nf4.dequantize(ctx.dtype)
         dx = backend.matmul(backend.matmul_operand(g), backend.matmul_operand(w))
+        # one gradient per input, x's only: (x, weight_nf4, dtype) or (x, weight_nf4, dtype, bias), the bias frozen
         return (dx.astype(np.result_type(g.dtype, w.dtype), copy=False), None, None, None)[:len(ctx.needs_input_grad)]
 
 
@@ -112,15 +113,18 @@ def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "
 
     ``base``: "nf4" or "float". ``wrap(child, r, alpha, rng, dtype, nf4)``: the LoRALinear for a chosen child, or
     None to leave it (default :func:`wrap_linear`; tensor parallelism's shards: minizero/parallel/lora_tp.py).
-    Returns the names. Raises ValueError: unknown base, or no Linear matched.
+    Returns the names. Raises ValueError (before any change): unknown base, ``"lm_head"`` in ``targets``, or no
+    Linear matched.
     """
     if base not in ("nf4", "float"):
         raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")
+    if "lm_head" in targets:  # an adapter on the head alone would untie it from wte in merged_state_dict
+        raise ValueError(f"targets={tuple(targets)}: lm_head is tied to transformer.wte (one weight) and is not "
+                         f"adapted; allowed: the blocks' Linear names, e.g. {', '.join(TARGETS)}")
     for p in model.parameters():
         p.requires_grad = False
     rng, dtype, wrap = np.random.default_rng(seed), model.config.dtype, wrap or wrap_linear
-    chosen = {id(m) for n, m in model.named_modules() if n.rpartition(".")[2] in targets
-              and not n.rpartition(".")[0].endswith("lm_head")}
+    chosen = {id(m) for n, m in model.named_modules() if n.rpartition(".")[2] in targets}
 
     def adapted(child):  # called once per module, in module order: the adapters draw from rng in that order
         return wrap(child, r, alpha, rng, dtype, base == "nf4") if id(child) in chosen else None

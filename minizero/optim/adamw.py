@@ -54,8 +54,9 @@ class AdamW(Optimizer):
     """AdamW over a list of Parameters with nanoGPT's weight-decay grouping; ``grad is None`` skipped, as PyTorch.
 
     ``master_weights``: update an FP32 copy, the parameter gets the rounded result (Micikevicius et al. 2018, 3.1).
-    ``store``: where m, v and masters live (default device). State: ``optimizer_state``, 8 bytes per float32
-    parameter (+4 with masters). Raises ValueError: a hyper-parameter out of range (named).
+    ``store``: where m, v and masters live (default device). State: ``optimizer_state``, m and v in
+    :func:`state_dtype`: 8 bytes per parameter (16 for float64; +4 with masters). Raises ValueError: a
+    hyper-parameter out of range (named).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False,
@@ -114,7 +115,7 @@ def global_grad_norm_sq(grads) -> float:
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """min(1, max_norm / (norm + 1e-6)); 1 when ``max_norm`` <= 0 or inf (``torch.nn.utils.clip_grad_norm_``)."""
-    if isinstance(max_norm, (bool, str)) or math.isnan(max_norm):  # nan skipped clipping, silently
+    if isinstance(max_norm, (bool, str)) or math.isnan(max_norm):  # NaN > 0 is False: it would skip clipping unsaid
         raise ValueError(f"max_norm={max_norm!r}; allowed: a number (<= 0 or inf: no clipping)")
     if max_norm > 0 and math.isfinite(max_norm):
         return min(1.0, max_norm / (norm + 1e-6))

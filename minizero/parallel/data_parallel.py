@@ -1,7 +1,8 @@
 """Data parallelism: every rank holds the whole model, gradients are averaged with all-reduce.
 
 Gradients go in flat buckets of at most ``bucket_bytes`` (reverse parameter order, ledger ``comm_buffers``),
-each summed by one all-reduce per optimizer step, then divided by N.
+each summed by one all-reduce per optimizer step and divided by N (before the sum for float16, after it for
+float32/64: :func:`~minizero.comm.collectives.divide_before_sum`).
 Mirrors: PyTorch ``DistributedDataParallel``; Li et al. 2020, "PyTorch Distributed" (VLDB).
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ class DataParallel:
         params: the same Parameters in the same order on every rank.  comm: the data group (N ranks).
         bucket_bytes: most bytes per bucket (a larger parameter gets its own; default 1 MiB).
         native: the library's all-reduce.  broadcast_params: copy rank 0's parameters at construction.
-        allreduce: ``allreduce(flat, out=flat)`` summing in place; None: the ring.
+        allreduce: ``allreduce(flat, out=flat)`` summing in place; None: :func:`all_reduce` (recursive doubling for
+        a bucket up to 256 KiB, else the ring).
         find_unused_parameters: agree each step on the used parameters (all-gather of a ceil(P/8)-byte mask).
         predivided: gradients already carry the 1/N; the reduction is a plain sum.
     Raises ValueError: ``bucket_bytes`` < 1.
@@ -44,7 +46,7 @@ class DataParallel:
     def __init__(self, params, comm, bucket_bytes: int = 1 << 20, native: bool = False,
                  broadcast_params: bool = True, allreduce=None, find_unused_parameters: bool = True,
                  predivided: bool = False):
-        if isinstance(bucket_bytes, (bool, str)) or not bucket_bytes >= 1:  # '1' was a TypeError, nan passed
+        if isinstance(bucket_bytes, (bool, str)) or not bucket_bytes >= 1:  # "not >=": NaN is refused too
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
         self.params, self.comm, self.native = list(params), comm, native
         self.predivided = predivided
@@ -105,6 +107,7 @@ class DataParallel:
 
         A parameter no rank has a gradient for stays ``None`` everywhere; one some rank lacks counts zeros there
         (the mask's all-gather is labelled ``used_parameters``). float16 is divided before the sum, wider after.
+        Collective over ``comm``: every rank calls it, with its buckets in the same order.
         """
         n = self.comm.world_size
         if n == 1:

@@ -1,7 +1,8 @@
 """Interleaved 1F1B: each rank holds v non-adjacent chunks of layers (virtual stage c*p + r is chunk c of rank r).
 
-Sends are non-blocking (``comm.isend``); bubble (p-1)/(v m) of the ideal time at v times the messages. Source: Narayanan
-et al., arXiv:2104.04473, section 2.2.2, figure 4; Megatron-LM ``forward_backward_pipelining_with_interleaving``.
+This file places the chunks; ``pipeline.PipelineEngine`` runs them, every send non-blocking (``comm.isend``);
+bubble (p-1)/(v m) of the ideal time at v times the messages. Source: Narayanan et al., arXiv:2104.04473, section
+2.2.2, figure 4; Megatron-LM ``forward_backward_pipelining_with_interleaving``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Rank r of t holds rows [r s/t, (r+1) s/t) of x (b, s/t, h). f becomes g, an all-gather along s (backward:
 reduce-scatter), fused with the column-parallel GEMM; g becomes ḡ, a reduce-scatter along s (backward:
-all-gather). Bytes equal tensor parallelism's; activations outside the tensor region shrink by t.
+all-gather). Forward bytes equal tensor parallelism's on the ring (an all-reduce is a reduce-scatter plus an
+all-gather, Korthikanti et al.'s count); backward adds one all-gather per column-parallel layer, which gathers x
+again for dW instead of saving the gathered (b, s, h). Activations outside the tensor region shrink by t.
 The embedding leaves by a reduce-scatter too: the vocabulary-parallel partial sums plus wpe, added on tensor
 rank 0 only (Megatron-core's ``LanguageModelEmbedding`` reduce-scatters only without learned positions).
 Source: Korthikanti et al., arXiv:2205.05198, section 4.2.2, figure 5, Table 2; Megatron-LM
@@ -264,10 +266,10 @@ class SequenceParallelAttention(ParallelCausalSelfAttention):
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (b, s, 3C/t): the whole sequence
-        b, t, c3 = qkv.shape
+        b, s, c3 = qkv.shape
         h, cl = self.n_head, c3 // 3
-        q, k, v = (z.reshape(b, t, h, cl // h).transpose(0, 2, 1, 3) for z in split(qkv, 3, axis=-1))
-        y = self.attention_core(q, k, v).transpose(0, 2, 1, 3).reshape(b, t, cl)
+        q, k, v = (z.reshape(b, s, h, cl // h).transpose(0, 2, 1, 3) for z in split(qkv, 3, axis=-1))
+        y = self.attention_core(q, k, v).transpose(0, 2, 1, 3).reshape(b, s, cl)
         return self.resid_dropout(self.c_proj(y))
 
 

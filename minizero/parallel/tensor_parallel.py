@@ -3,7 +3,9 @@
 Column-parallel ``A_r = A[r*out/tp:(r+1)*out/tp]`` with f before it (forward identity, backward all-reduce);
 row-parallel ``A_r = A[:, r*in/tp:(r+1)*in/tp]`` with g after it (forward all-reduce, backward identity).
 c_attn and c_fc are column-parallel (c_attn with stride 3: Q, K, V rows of its heads), both c_proj row-parallel.
-Traffic per block and micro-batch of (B, T, C): 8(tp-1)/tp * B*T*C*itemsize bytes per rank.
+Traffic per block and micro-batch of (B, T, C): four all-reduces of B*T*C elements (two each way), per rank
+8(tp-1)/tp * B*T*C*itemsize bytes on the ring, 4 log2(tp) * B*T*C*itemsize by recursive doubling (tp a power of
+two), which :func:`~minizero.comm.collectives.all_reduce` takes up to 256 KiB (:func:`allreduce_bytes_per_block`).
 Source: Shoeybi et al., arXiv:1909.08053, section 3, figure 3; Megatron-LM ``core/tensor_parallel/mappings.py``.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ from minizero.nn.init import is_meta, meta
 
 # --------------------------------------------------------------------------- primitives
 def _reduce(comm, x):
-    """Sum ``x`` over the tensor group (ring all-reduce); a new contiguous array."""
+    """Sum ``x`` over the tensor group (:func:`all_reduce`: recursive doubling up to 256 KiB, else the ring); a new
+    contiguous array."""
     return all_reduce(comm, backend.xp.ascontiguousarray(x))
 
 
@@ -28,10 +31,11 @@ def shard_array(full, dim: int, rank: int, size: int, stride: int = 1):
     """Rank ``rank``'s part of ``full`` split ``size`` ways along ``dim`` in each of ``stride`` equal blocks.
 
     Example: c_attn's (3C, C) weight, stride 3: rows [rC/tp, (r+1)C/tp) of Q, K and V, a (3C/tp, C) shard.
-    Returns a new C-contiguous (or meta) array. Raises ValueError: ``stride * size`` does not divide the dim.
+    Returns a new C-contiguous (or meta) array. Raises ValueError: ``stride * size`` does not divide the dim,
+    ``size`` not an int >= 1, ``rank`` not in ``[0, size)`` or ``stride`` not an int >= 1.
     """
     xp = backend.xp
-    check_rank(rank, "rank", check_int(size, "size", 1))  # rank -1 cut the last part, silently
+    check_rank(rank, "rank", check_int(size, "size", 1))  # a negative rank would index from the end
     check_int(stride, "stride", 1)
     n = full.shape[dim]
     if n % (stride * size):
@@ -163,7 +167,7 @@ class HeadParallelDropout(Module):
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
-        keep = self.reserve_mask(x.shape).block(tuple(slice(0, d) for d in x.shape))  # only (b, h, t, s) draws
+        keep = self.reserve_mask(x.shape).block(tuple(slice(0, d) for d in x.shape))  # only these heads' draws
         return F.Dropout.apply(x, keep, self.p)
 
     def reserve_mask(self, shape):
@@ -181,7 +185,7 @@ class ParallelCausalSelfAttention(CausalSelfAttention):
     """
 
     def __init__(self, attn: CausalSelfAttention, comm):
-        Module.__init__(self)
+        Module.__init__(self)  # not CausalSelfAttention's: every child is the split or reused one below
         tp, r = comm.world_size, comm.rank
         self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, comm, stride=3)
         self.c_proj = RowParallelLinear.from_linear(attn.c_proj, comm)
@@ -213,7 +217,7 @@ def tensor_parallelize(model: Module, comm) -> list[str]:
         return done
     blocks = model.transformer["h"]
     for name, block in blocks.named_children():
-        if isinstance(block.attn, ParallelCausalSelfAttention):  # before: AttributeError 'out_features'
+        if isinstance(block.attn, ParallelCausalSelfAttention):  # a second call would split the shards again
             raise ValueError(f"tensor_parallelize: transformer.h.{name} is already split; call it once per model")
         n_head, c = block.attn.n_head, block.attn.c_proj.out_features
         if n_head % tp or c % tp:

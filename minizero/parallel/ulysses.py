@@ -88,8 +88,9 @@ def head_group_dropout(dropout, heads: int, comm):
 class UlyssesAttentionCore(Module):
     """An attention core: q, k, v (b, H, 2n, D) this rank's chunks -> (b, H, 2n, D), over ``comm`` (c ranks).
 
-    ``inner``: the core run on (b, H/c, T, D) head shards (default dense causal).
-    Raises ValueError (first call): c does not divide the local head count.
+    ``inner``: the core run on (b, H/c, T, D) head shards (default dense causal). Forward: three all-to-alls in
+    (q, k, v), one out; backward: the same four, reversed. Raises ValueError (in forward): c does not divide the
+    local head count.
     """
 
     def __init__(self, comm, inner=None):
@@ -111,7 +112,11 @@ class UlyssesAttentionCore(Module):
 
 
 def ulysses_bytes(b: int, h: int, s: int, d: int, itemsize: int, cp: int) -> dict:
-    """Bytes one rank sends per layer for a sequence of s tokens: {"forward", "backward"} (4 all-to-alls each)."""
+    """Bytes one rank sends per layer for a sequence of s tokens: {"forward", "backward"} (4 all-to-alls each).
+
+    ``h``: the heads the attention holds (H/tp under tensor parallelism), ``d``: the head size, ``cp``: c; each
+    all-to-all sends (c-1)/c of the rank's (b, h, s/c, d) array.
+    """
     local = b * h * (s // cp) * d * itemsize
     each = (cp - 1) * local // cp
     return {"forward": 4 * each, "backward": 4 * each}

@@ -1,4 +1,4 @@
-"""Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by tokens.
+"""Vocabulary parallelism (Megatron-LM): the (V, C) embedding, the tied LM head and the loss split by vocabulary rows.
 
 Rank r holds rows [r V/tp, (r+1) V/tp) of wte; logits (b, T, V/tp) are never gathered. Source: Shoeybi et al.,
 arXiv:1909.08053, section 3; Megatron-LM ``VocabParallelEmbedding`` and ``vocab_parallel_cross_entropy``.
@@ -160,7 +160,7 @@ def vocab_parallelize(stage, comm) -> list[str]:
             w = stage.transformer["wte"].weight
         else:
             w = _mark(Parameter(shard_array(stage.lm_head.weight.data, 0, comm.rank, tp)), 0, 1)
-            w.shared_embedding_copy = True
+            w.shared_embedding_copy = True  # the last stage's copy of the first's wte (as PipelineStage marks it)
         stage.lm_head = ParallelLMHead(w, comm)
         stage.loss = VocabParallelCrossEntropyLoss(comm, start)
         done += ["lm_head", "loss"]

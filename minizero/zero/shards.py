@@ -224,6 +224,9 @@ def traffic_formula(stage: int, num_params: int, world_size: int, itemsize: int 
     """Bytes one rank sends per optimizer step for model states, M micro-batches, before padding (paper section 7).
 
     Stages 0-1: 2(N-1)/N; stage 2: (M+1)(N-1)/N; stage 3: 3M(N-1)/N of the parameter bytes.
+    Raises ValueError: stage not 0-3.
     """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}; allowed: 0, 1, 2, 3")
     one = (world_size - 1) / world_size * num_params * itemsize
     return {0: 2 * one, 1: 2 * one, 2: (micro_batches + 1) * one, 3: 3 * micro_batches * one}[stage]
