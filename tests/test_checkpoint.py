@@ -190,6 +190,23 @@ def test_reader_reads_only_the_overlapping_pieces(shared):
     assert reader.reads - reads < reads  # fewer pieces read for the half than for the whole
 
 
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight",
+                                  "transformer.h.0.attn.c_proj.weight"])
+def test_a_tp2_checkpoint_reads_as_tp4_shards(name, shared):
+    """Saved split in 2, read as 4 tensor-parallel shards (another number of parts: the cut is not the saved one):
+    each shard is its quarter of every one of the stride's parts (c_attn: q, k and v), cut from the whole."""
+    reader = ShardReader(str(shared.saved(*CASES["dp2-tp2-pp2"])[1].parent))
+    dim, stride, _, parts = reader.by_param[("param", name)][0]["tp"]
+    assert parts == 2
+    whole = reader.gather("param", name, None, 0, int(np.prod(reader.shape(name))), np.float64)
+    whole = whole.reshape(reader.shape(name))
+    for i in range(4):
+        want = np.concatenate([np.split(p, 4, axis=dim)[i] for p in np.split(whole, stride, axis=dim)], axis=dim)
+        got = reader.gather("param", name, (dim, stride, i, 4), 0, want.size, np.float64)
+        np.testing.assert_array_equal(got, want.reshape(-1))
+
 def _cli(mpiexec, n, flags, env=None):
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *BASE[:-2], "--sample-tokens", "1",
            "--steps", "6", *F64, "--micro-batch-size", "2", "--zero", "2", *flags]

@@ -587,3 +587,16 @@ def test_zero_scratch_bounds_the_last_stages_head():
         head = reduce_scatter_scratch(m.vocab_shard(st.tp), 8, 0) * 4  # V h / t divides by 8: no padding
         assert head > reduce_scatter_scratch(m.layer_parameters(st.tp), 8, 0) * 4
         assert comm_scratch_bytes(m, st, st.pp - 1, "minizero") >= head
+
+
+@pytest.mark.parametrize("n_layer,pp,v", [(12, 2, 3), (12, 3, 2), (8, 2, 2), (16, 4, 2), (6, 3, 1)])
+def test_stage_layers_are_the_blocks_the_interleaved_trainer_puts_on_each_rank(n_layer, pp, v):
+    """Chunk c of rank r is virtual stage c p + r (parallel/interleaved.py): the estimator's blocks of each stage are
+    the ones the trainer places there, also where p != v (chunk j of stage i is j p + i, not j v + i)."""
+    from minizero.parallel.interleaved import rank_of_layer
+
+    cfg = get_config("tiny", n_layer=n_layer)
+    st = Strategy(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b", micro_batches=pp)
+    for stage in range(pp):
+        want = [layer for layer in range(n_layer) if rank_of_layer(n_layer, pp, v, layer) == stage]
+        assert sorted(E.stage_layers(cfg, st, stage)) == want, stage

@@ -182,3 +182,11 @@ def test_hierarchical_is_checked_by_debug_collectives_refuses_strings_and_counts
     with pytest.raises(CollectiveMismatchError) as e:
         run_in_threads(4, body, [8, 8, 9, 8], timeout=10)
     assert "all_reduce #" in str(e.value) and "shape (9,)" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("layout", [(0, 0, 0, 1, 1, 1), (0, 0, 1, 1, 2, 2), (0, 0, 0, 0, 1, 1, 1, 1)])
+@pytest.mark.parametrize("n_elem", [5, 841, 100_003])  # not divisible by L: chunks of unequal size
+def test_cross_node_bytes_formula_equals_the_bytes_sent_on_uneven_buffers(layout, n_elem):
+    res = run_in_threads(len(layout), _both, layout, lambda r: np.ones(n_elem))
+    nodes = NodeLayout(layout)
+    assert sum(r[2] for r in res) == cross_node_bytes(n_elem, 8, nodes, "hierarchical")

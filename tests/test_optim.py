@@ -59,6 +59,26 @@ def test_adamw_first_step_is_decay_then_lr_times_the_gradient_sign():
     np.testing.assert_allclose(p.data, want, rtol=1e-15, atol=0)
 
 
+
+def test_a_float16_parameter_without_masters_decays_and_steps_as_float32_rounded_once():
+    """p float16, state float32: each step is the float32 step (decay, then Adam) from the same p, rounded to float16
+    once; bit for bit, for the decayed 2-D weight and the undecayed bias."""
+    rng = np.random.default_rng(3)
+    w16, b16 = Parameter(rng.standard_normal((4, 8)).astype(np.float16)), Parameter(np.ones(8, np.float16))
+    w32, b32 = Parameter(w16.data.astype(np.float32)), Parameter(b16.data.astype(np.float32))
+    kw = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5)
+    opt16, opt32 = AdamW([w16, b16], **kw), AdamW([w32, b32], **kw)
+    for _ in range(3):
+        grads = [rng.standard_normal(p.shape).astype(np.float16) for p in (w16, b16)]
+        for p16, p32, g in zip((w16, b16), (w32, b32), grads):
+            p16.grad, p32.grad = g.copy(), g.astype(np.float32)
+            p32.data[...] = p16.data  # the same float16 start
+        opt16.step()
+        opt32.step()
+        for p16, p32 in ((w16, w32), (b16, b32)):
+            assert p16.data.dtype == np.float16
+            np.testing.assert_array_equal(p16.data, p32.data.astype(np.float16))
+
 def test_cosine_schedule_at_hand_computed_steps():
     """Warmup 4 to max 1.0, cosine to 0.1 at step 12: linear (step + 1) / 4, then 0.1 + 0.45 (1 + cos(pi r))."""
     got = [cosine_lr(s, 1.0, 4, 12, 0.1) for s in (0, 1, 3, 4, 8, 10, 12, 50)]

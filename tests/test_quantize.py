@@ -271,7 +271,22 @@ def test_quantize_command_table(trained_tiny, capsys):
         assert r["model_bytes"] < result["baseline"]["model_bytes"]
         if threshold is None:
             assert r["linear_bytes"] < r["linear_dense_bytes"] / (3 if bits == 8 else 5)  # 16-wide rows: scales weigh
+        assert r["block_size"] == (64 if gran == "block" else None)  # one scale per row/tensor: no block size
 
+
+
+def test_quantize_s_fp32_loss_is_the_one_the_trainer_saved(tmp_path):
+    """The baseline row evaluates the trainer's own validation batches (its data, seed and --eval-batches from
+    summary.json): the same loss, bit for bit, as summary.json's val_loss."""
+    from minizero.quantize import main as quantize_main
+    from minizero.train import main as train_main
+
+    out = tmp_path / "run"
+    assert train_main(["--model", "tiny", "--steps", "2", "--eval-batches", "2", "--eval-every", "0", "--seed", "7",
+                       "--progress", "none", "--sample-tokens", "8", "--out", str(out)]) == 0
+    assert quantize_main(["--weights", str(out / "model.npz"), "--json", str(tmp_path / "q.json")]) == 0
+    saved = json.loads((out / "summary.json").read_text())["val_loss"]
+    assert json.loads((tmp_path / "q.json").read_text())["baseline"]["val_loss"] == saved
 
 def test_quantize_command_errors(tmp_path, capsys):
     from minizero.quantize import main

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from minizero.autograd import Tensor, manual_seed
+from minizero.autograd.rng import get_rng_state
 from minizero.comm import run_in_threads
 from minizero.ledger import MemoryLedger, set_ledger
 from minizero.memory.recompute import CheckpointWrapper, apply_recompute, checkpoint
@@ -39,6 +40,33 @@ def test_recompute_gradients_bitwise_equal_with_dropout(mode, every):
     for i, (a, b) in enumerate(zip(ref, got)):
         np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
 
+
+
+def second_step(mode, every):
+    """The loss and gradients of a second forward + backward with dropout, after a first one, and the generator
+    state between the two."""
+    model = GPT(get_config("tiny", dtype="float64", dropout=0.1), seed=1)
+    apply_recompute(model, mode, every)
+    manual_seed(5)
+    x = np.random.default_rng(0).integers(0, 256, (2, model.config.block_size))
+    model(x, x)[1].backward()
+    between = get_rng_state()
+    model.zero_grad()
+    loss = model(x, x)[1]
+    loss.backward()
+    return between, loss.item(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode,every", [("selective", 1), ("full", 2)])
+def test_recompute_in_backward_leaves_the_dropout_generator_where_forward_left_it(mode, every):
+    """Backward's recompute draws the masks again from saved states and puts the generator back: the next step's
+    masks are the ones without recompute (its loss and gradients bitwise)."""
+    ref_state, ref_loss, ref = second_step("none", 1)
+    state, loss, got = second_step(mode, every)
+    assert state == ref_state
+    assert loss == ref_loss
+    for i, (a, b) in enumerate(zip(ref, got)):
+        np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
 
 def block_activation_bytes(cfg, batch):
     """Peak saved bytes of one block's forward+backward on its own (measured)."""

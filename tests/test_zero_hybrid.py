@@ -173,7 +173,11 @@ def test_estimator_equals_the_trainers_ledger_under_hybrid_sharding(flags):
 @pytest.mark.usefixtures("ring_all_reduce")  # the replica hop by the ring, as the formula counts
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [["--zero", "1", "--dp-shard", "2"], ["--zero", "3", "--dp-shard", "2"],
-                                   ["--zero", "3", "--cp", "2", "--dp-shard", "1"]])
+                                   ["--zero", "3", "--cp", "2", "--dp-shard", "1"],
+                                   # 2 micro-batches: ZeRO-1 reduces (and crosses the replicas) once a step,
+                                   # ZeRO-2 reduce-scatters and crosses once a micro-batch
+                                   ["--zero", "1", "--dp-shard", "2", "--grad-accum", "2"],
+                                   ["--zero", "2", "--dp-shard", "2", "--grad-accum", "2"]])
 def test_estimated_traffic_equals_the_trainers_under_hybrid_sharding(flags, monkeypatch):
     """The data group's bytes per step (a 3-step run's minus a 2-step run's) within its few bytes of bookkeeping."""
     monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
