@@ -8,9 +8,10 @@ Context parallelism's layout (rank r holds chunks r and 2c-1-r) with another att
        │ reorder back, all-to-all: time block i to rank i
     y         (b, H, 2n, D)
 
-Traffic per rank, layer and step: 8 (c-1)/c * b*H*2n*D*itemsize (:func:`ulysses_bytes`), about 1/c of ring
-attention's at large c (Jacobs et al., section 3.2). c must divide H/tp. The attention dropout of head group j is
-the unsplit model's mask at those heads (:func:`head_group_dropout`).
+Traffic per rank, layer and step: 8 (c-1)/c * b*H*2n*D*itemsize (:func:`ulysses_bytes`), against ring
+attention's 6c-4 such blocks: about 4/(3c) of the ring's at large c, falling as 1/c (Jacobs et al., section
+3.2). c must divide H/tp. The attention dropout of head group j is the unsplit model's mask at those heads
+(:func:`head_group_dropout`).
 """
 from __future__ import annotations
 
