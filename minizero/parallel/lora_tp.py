@@ -27,7 +27,7 @@ from minizero.comm.collectives import all_gather
 from minizero.nf4 import NF4Shard, block_absmax, shard_runs, tensor_parallel_sizes
 from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, wrap_linear
 from minizero.nn.module import Module, Parameter
-from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _mark,
+from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, mark_shard,
                                                copy_to_tensor_parallel_region, is_tensor_parallel_duplicate,
                                                reduce_from_tensor_parallel_region, shard_array, tensor_parallelize,
                                                unshard_arrays)
@@ -41,7 +41,8 @@ class ColumnParallelLoRAAdapter(LoRAAdapter):
         Module.__init__(self)
         self.scale, self.comm = whole.scale, comm
         self.lora_A = whole.lora_A
-        self.lora_B = _mark(Parameter(shard_array(whole.lora_B.data, 0, comm.rank, comm.world_size, stride)), 0, stride)
+        self.lora_B = mark_shard(Parameter(shard_array(whole.lora_B.data, 0, comm.rank, comm.world_size, stride)), 0,
+                                 stride)
 
     def forward(self, x):
         return F.linear(copy_to_tensor_parallel_region(F.linear(x, self.lora_A), self.comm), self.lora_B) * self.scale
@@ -54,7 +55,7 @@ class RowParallelLoRAAdapter(LoRAAdapter):
     def __init__(self, whole: LoRAAdapter, comm):
         Module.__init__(self)
         self.scale, self.comm = whole.scale, comm
-        self.lora_A = _mark(Parameter(shard_array(whole.lora_A.data, 1, comm.rank, comm.world_size)), 1, 1)
+        self.lora_A = mark_shard(Parameter(shard_array(whole.lora_A.data, 1, comm.rank, comm.world_size)), 1, 1)
         self.lora_B = whole.lora_B
 
     def forward(self, x):

@@ -21,7 +21,7 @@ from minizero.nn.init import is_meta, meta
 
 
 # --------------------------------------------------------------------------- primitives
-def _reduce(comm, x):
+def tp_all_reduce(comm, x):
     """Sum ``x`` over the tensor group (:func:`all_reduce`: recursive doubling up to 256 KiB, else the ring); a new
     contiguous array."""
     return all_reduce(comm, backend.xp.ascontiguousarray(x))
@@ -71,7 +71,7 @@ class _CopyToTensorParallelRegion(Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(ctx.comm, g), None
+        return tp_all_reduce(ctx.comm, g), None
 
 
 class _ReduceFromTensorParallelRegion(Function):
@@ -79,7 +79,7 @@ class _ReduceFromTensorParallelRegion(Function):
 
     @staticmethod
     def forward(ctx, x, comm):
-        return _reduce(comm, x)
+        return tp_all_reduce(comm, x)
 
     @staticmethod
     def backward(ctx, g):
@@ -97,7 +97,7 @@ def reduce_from_tensor_parallel_region(x: Tensor, comm) -> Tensor:
 
 
 # --------------------------------------------------------------------------- layers
-def _mark(p: Parameter, dim: int, stride: int) -> Parameter:
+def mark_shard(p: Parameter, dim: int, stride: int) -> Parameter:
     """Tag a shard as Megatron does: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``."""
     p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
     return p
@@ -117,8 +117,8 @@ class ColumnParallelLinear(Module):
 
     def __init__(self, weight, bias, comm, stride: int = 1):
         super().__init__()
-        self.weight = _mark(Parameter(weight), 0, stride)
-        self.bias = _mark(Parameter(bias), 0, stride) if bias is not None else None
+        self.weight = mark_shard(Parameter(weight), 0, stride)
+        self.bias = mark_shard(Parameter(bias), 0, stride) if bias is not None else None
         self.comm = comm
 
     @classmethod
@@ -141,7 +141,7 @@ class RowParallelLinear(Module):
 
     def __init__(self, weight, bias, comm):
         super().__init__()
-        self.weight = _mark(Parameter(weight), 1, 1)
+        self.weight = mark_shard(Parameter(weight), 1, 1)
         self.bias = Parameter(bias) if bias is not None else None
         self.comm = comm
 

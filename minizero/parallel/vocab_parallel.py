@@ -13,7 +13,7 @@ from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
 from minizero.nn.module import Module, Parameter
 from minizero.parallel.interleaved import refuse_interleaved
-from minizero.parallel.tensor_parallel import (_mark, _reduce, copy_to_tensor_parallel_region,
+from minizero.parallel.tensor_parallel import (mark_shard, tp_all_reduce, copy_to_tensor_parallel_region,
                                                reduce_from_tensor_parallel_region, shard_array)
 
 
@@ -45,7 +45,7 @@ class VocabParallelEmbedding(Module):
 
     def __init__(self, weight, comm, vocab_start: int):
         super().__init__()
-        self.weight = _mark(Parameter(weight), 0, 1)
+        self.weight = mark_shard(Parameter(weight), 0, 1)
         self.comm, self.vocab_start = comm, vocab_start
 
     @classmethod
@@ -90,12 +90,12 @@ class _VocabParallelCrossEntropy(Function):
         maxima = all_gather(comm, xp.ascontiguousarray(local_max))  # (tp * N,), rank by rank
         m = maxima.reshape(comm.world_size, n).max(axis=0)
         shifted = ls - m[:, None]
-        logsum = xp.log(_reduce(comm, xp.exp(shifted).sum(axis=-1)))
+        logsum = xp.log(tp_all_reduce(comm, xp.exp(shifted).sum(axis=-1)))
         keep = targets != ignore_index
         local = targets - vocab_start
         mine = (local >= 0) & (local < v) & keep
         local = xp.where(mine, local, 0)
-        picked = _reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0).astype(ls.dtype, copy=False))
+        picked = tp_all_reduce(comm, xp.where(mine, shifted[xp.arange(n), local], 0.0).astype(ls.dtype, copy=False))
         # an ignored row's local index is -1: backward tells it from ``local`` (no (N,) mask saved beside it)
         ctx.save_for_backward(logits, xp.where(keep, local, -1), mine, logsum + (m - local_max))
         return F.mean_over_kept(logsum - picked, keep)
@@ -159,7 +159,7 @@ def vocab_parallelize(stage, comm) -> list[str]:
         if stage.is_first:
             w = stage.transformer["wte"].weight
         else:
-            w = _mark(Parameter(shard_array(stage.lm_head.weight.data, 0, comm.rank, tp)), 0, 1)
+            w = mark_shard(Parameter(shard_array(stage.lm_head.weight.data, 0, comm.rank, tp)), 0, 1)
             w.shared_embedding_copy = True  # the last stage's copy of the first's wte (as PipelineStage marks it)
         stage.lm_head = ParallelLMHead(w, comm)
         stage.loss = VocabParallelCrossEntropyLoss(comm, start)
