@@ -97,16 +97,23 @@ def not_a_folder(path: str) -> str | None:
 
 
 def run_files(args) -> dict:
-    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, the save dir),
-    {absolute path: what it is}: another output given one of these paths would overwrite it or be overwritten by it
-    (the weights' config unreadable), or fail after the work (a file where the run made its folder); links followed."""
+    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, OUT/flight, the
+    save dir), {absolute path: what it is}: another output given one of these paths would overwrite it or be
+    overwritten by it (the weights' config unreadable), or fail after the work (a file where the run made its folder);
+    links followed. Raises UsageError for a save dir at one of OUT's own paths (OUT itself is allowed)."""
     files = {os.path.realpath(os.path.join(args.out, name)): what for name, what in (
         ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
         ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
     if not args.no_save:  # a file where OUT goes: refused before the work, not after it
         files[os.path.realpath(args.out)] = "--out, the folder the run writes into"
+        if args.flight_records:  # a file there: the next run with this OUT is refused (check_outputs)
+            flight = os.path.realpath(os.path.join(args.out, "flight"))
+            files[flight] = "OUT/flight, the folder of a failed job's flight records"
     if args.save_every:
         save = args.save_dir if args.save_dir is not None else os.path.join(args.out, "checkpoints")
+        clash = files.get(os.path.realpath(save)) if os.path.realpath(save) != os.path.realpath(args.out) else None
+        if clash and not args.no_save:  # the save dir made first, the run's own file could not be written after it
+            raise UsageError(f"--save-dir {save!r} would take the place of {clash}; give another folder")
         files[os.path.realpath(save)] = "--save-dir, the folder the checkpoints go to"
     if args.data:
         files[os.path.realpath(args.data)] = "--data"
