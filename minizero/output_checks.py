@@ -7,7 +7,7 @@ import os
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import LATEST, refuse_pipes
 from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, is_step_folder, step_of
-from minizero.comm.flight import clear, records
+from minizero.comm.flight import RECORD_NAME, clear, records
 from minizero.files import PRUNED_MID_READ, check_writable_file, live_job_holding
 from minizero.overwrite import refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back
 from minizero.temporaries import check_writable_folder, unwritable
@@ -63,6 +63,7 @@ def check_json_file(args) -> None:
     own = run_files(args)
     if os.path.realpath(js) in own:  # a link to --data too
         raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
+    not_a_flight_record(args, "--json", args.json)
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
         existing_folder("--json", args.json, jparent)
@@ -85,6 +86,17 @@ def clear_flight(args) -> str | None:
     if not os.path.islink(folder):  # a link may lead to kept records (an archive): none removed through it; the
         clear(folder, ours)  # analyzer sets other runs' records aside
     return None
+
+
+def not_a_flight_record(args, flag: str, given: str) -> None:
+    """Refuse an output named like a flight record (``rank_R.json``) in OUT/flight: a failed job's dump would
+    replace it, and the next run with this OUT refuses it as a record minizero did not write (:func:`clear_flight`)."""
+    flight = os.path.realpath(os.path.join(args.out, "flight"))
+    if args.no_save or not args.flight_records or not RECORD_NAME.fullmatch(os.path.basename(given)):
+        return
+    if os.path.realpath(os.path.dirname(os.path.abspath(given))) == flight:
+        raise UsageError(f"{flag} {given!r} is named like a flight record in OUT/flight, where a failed job's records "
+                         "go; give another file")
 
 
 def not_a_folder(path: str) -> str | None:
@@ -175,6 +187,7 @@ def check_trace(args) -> None:
     if os.path.realpath(p) in own:  # links followed
         raise UsageError(f"--trace {path!r} would overwrite {own[os.path.realpath(p)]}; give another file")
     outside_checkpoints("--trace", p, path)
+    not_a_flight_record(args, "--trace", path)
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
     _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace
