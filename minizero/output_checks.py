@@ -7,7 +7,7 @@ import os
 from minizero.checkpoint import checkpoint_holding, resolve
 from minizero.checkpoint.format import LATEST, refuse_pipes
 from minizero.checkpoint.format import MANIFEST, complete as complete_checkpoints, is_step_folder, step_of
-from minizero.comm.flight import clear, records
+from minizero.comm.flight import RECORD_NAME, clear, records
 from minizero.files import PRUNED_MID_READ, check_writable_file, live_job_holding
 from minizero.overwrite import refuse_blocking, refuse_slash_or_dangling, refuse_foreign, refuse_read_back
 from minizero.temporaries import check_writable_folder, unwritable
@@ -63,6 +63,7 @@ def check_json_file(args) -> None:
     own = run_files(args)
     if os.path.realpath(js) in own:  # a link to --data too
         raise UsageError(f"--json {args.json!r} would overwrite {own[os.path.realpath(js)]}; give another file")
+    not_a_flight_record(args, "--json", args.json)
     jparent = os.path.dirname(js)
     if os.path.abspath(jparent) != os.path.abspath(out):  # OUT is made before anything is written
         existing_folder("--json", args.json, jparent)
@@ -87,6 +88,17 @@ def clear_flight(args) -> str | None:
     return None
 
 
+def not_a_flight_record(args, flag: str, given: str) -> None:
+    """Refuse an output named like a flight record (``rank_R.json``) in OUT/flight: a failed job's dump would
+    replace it, and the next run with this OUT refuses it as a record minizero did not write (:func:`clear_flight`)."""
+    flight = os.path.realpath(os.path.join(args.out, "flight"))
+    if args.no_save or not args.flight_records or not RECORD_NAME.fullmatch(os.path.basename(given)):
+        return
+    if os.path.realpath(os.path.dirname(os.path.abspath(given))) == flight:
+        raise UsageError(f"{flag} {given!r} is named like a flight record in OUT/flight, where a failed job's records "
+                         "go; give another file")
+
+
 def not_a_folder(path: str) -> str | None:
     """``"PATH is a named pipe (FIFO), not a folder"`` when ``path`` is there and no folder (a file, a link to
     nothing: makedirs fails), else None."""
@@ -97,16 +109,23 @@ def not_a_folder(path: str) -> str | None:
 
 
 def run_files(args) -> dict:
-    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, the save dir),
-    {absolute path: what it is}: another output given one of these paths would overwrite it or be overwritten by it
-    (the weights' config unreadable), or fail after the work (a file where the run made its folder); links followed."""
+    """The files a run reads or writes besides --json and --trace, and the folders it makes (OUT, OUT/flight, the
+    save dir), {absolute path: what it is}: another output given one of these paths would overwrite it or be
+    overwritten by it (the weights' config unreadable), or fail after the work (a file where the run made its folder);
+    links followed. Raises UsageError for a save dir at one of OUT's own paths (OUT itself is allowed)."""
     files = {os.path.realpath(os.path.join(args.out, name)): what for name, what in (
         ("model.npz", "the weights (OUT/model.npz)"), ("model.json", "the weights' config (OUT/model.json)"),
         ("loss.png", "the loss plot (OUT/loss.png)"), ("memory.png", "the memory plot (OUT/memory.png)"))}
     if not args.no_save:  # a file where OUT goes: refused before the work, not after it
         files[os.path.realpath(args.out)] = "--out, the folder the run writes into"
+        if args.flight_records:  # a file there: the next run with this OUT is refused (check_outputs)
+            flight = os.path.realpath(os.path.join(args.out, "flight"))
+            files[flight] = "OUT/flight, the folder of a failed job's flight records"
     if args.save_every:
         save = args.save_dir if args.save_dir is not None else os.path.join(args.out, "checkpoints")
+        clash = files.get(os.path.realpath(save)) if os.path.realpath(save) != os.path.realpath(args.out) else None
+        if clash and not args.no_save:  # the save dir made first, the run's own file could not be written after it
+            raise UsageError(f"--save-dir {save!r} would take the place of {clash}; give another folder")
         files[os.path.realpath(save)] = "--save-dir, the folder the checkpoints go to"
     if args.data:
         files[os.path.realpath(args.data)] = "--data"
@@ -168,6 +187,7 @@ def check_trace(args) -> None:
     if os.path.realpath(p) in own:  # links followed
         raise UsageError(f"--trace {path!r} would overwrite {own[os.path.realpath(p)]}; give another file")
     outside_checkpoints("--trace", p, path)
+    not_a_flight_record(args, "--trace", path)
     _usage(refuse_read_back, path, "--trace")
     _usage(refuse_blocking, path, "--trace")
     _usage(refuse_foreign, path, "--trace")  # the user's notes, not an earlier trace

@@ -23,6 +23,20 @@ def require_ranks(comm, ok: bool, need: str, example: str) -> None:
     sys.exit(2)
 
 
+def train_args(comm, argv: list, example: str):
+    """The main job's ``parse_args(argv)`` at this world size, or exit at once with status 2, rank 0 printing the
+    refusal as ``EXAMPLE: error: ...`` (one message, no traceback). Every rank parses the same flags and reaches
+    the same verdict, so no rank is left waiting for a peer. Call it for every configuration before the first."""
+    from minizero.train import UsageError, parse_args
+    try:
+        return parse_args(argv, comm.world_size)
+    except UsageError as e:
+        if comm.rank == 0:
+            sys.stderr.write(f"{example}: error: {e}\n")
+            sys.stderr.flush()
+        sys.exit(2)
+
+
 def say(comm, text: str) -> None:
     """Rank 0 prints ``text`` as one write (a line from another rank cannot cut into it)."""
     if comm.rank == 0:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
+from _common import require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.numerals import integer  # noqa: E402
 from minizero.zero import gather_figures  # noqa: E402
@@ -41,15 +41,20 @@ CONFIGS = {
 COLUMNS = ["parameters", "gradients", "optimizer_state", "activations", "offloaded", "comm_buffers"]
 
 
-def measure(comm, flags, model: str, steps: int) -> list[dict]:
-    """Train ``steps`` steps with ``flags`` on a fresh ledger; every rank's figures (bytes), by rank."""
+def config_argv(flags: list[str], model: str, steps: int) -> list[str]:
+    """The main job's flags of one configuration: ``steps`` steps of ``model`` with ``flags``."""
+    return ["--model", model, "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+            *flags]
+
+
+def measure(comm, argv: list[str]) -> list[dict]:
+    """Train as ``argv`` (:func:`config_argv`, checked by ``train_args``) says, on a fresh ledger; every rank's
+    figures (bytes), by rank."""
     gc.collect()  # the previous configuration's model and optimizer
     ledger = set_ledger(MemoryLedger())  # fresh per configuration: peaks start from zero
     tracemalloc.reset_peak()
     sent_before = comm.traffic.bytes_sent
-    args = parse_args(["--model", model, "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
-                       "--no-progress", *flags], comm.world_size)
-    train(args, comm, log=lambda s: None)
+    train(parse_args(argv, comm.world_size), comm, log=lambda s: None)
     figures = {c: ledger.peak[c] for c in COLUMNS}
     figures.update(peak_total=ledger.peak_total, process_peak=tracemalloc.get_traced_memory()[1],
                    sent=comm.traffic.bytes_sent - sent_before)
@@ -66,7 +71,10 @@ def main():
     comm = world()
     # the table compares what data-parallel ranks hold and send; one rank sends nothing
     require_ranks(comm, comm.world_size >= 2, "at least 2", "memory_compression.py")
-    rows = {name: measure(comm, flags, opts.model, opts.steps) for name, flags in CONFIGS.items()}
+    configs = {name: config_argv(flags, opts.model, opts.steps) for name, flags in CONFIGS.items()}
+    for argv in configs.values():  # every configuration checked before the first trains (the parsed flags are
+        train_args(comm, argv, "memory_compression.py")  # dropped: they would count in the process peak)
+    rows = {name: measure(comm, argv) for name, argv in configs.items()}
     if comm.rank:
         return
     kib = 1024

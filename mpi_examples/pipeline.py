@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
+from minizero.args import MAX_GRAD_ACCUM  # noqa: E402
 from minizero.comm import world  # noqa: E402
 from minizero.ledger import format_bytes, get_ledger  # noqa: E402
 from minizero.nn import GPT, get_config  # noqa: E402
@@ -31,8 +32,9 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--micro-batches", type=integer, default=8, help="micro-batches per optimizer step (m)")
 parser.add_argument("--verbose", action="store_true", help="print every message as an arrow")
 opts = parser.parse_args()
-if opts.micro_batches < 1:
-    parser.error(f"--micro-batches must be >= 1, got {opts.micro_batches}")
+if not 1 <= opts.micro_batches <= MAX_GRAD_ACCUM:  # the main job's bound: each one is a batch made up front
+    parser.error(f"--micro-batches must be in 1..{MAX_GRAD_ACCUM:,} (as the main job's --grad-accum), "
+                 f"got {opts.micro_batches:,}")
 comm = world()
 cfg = get_config("default", block_size=64)
 # one stage per rank, each with the same number of blocks: the rank count divides the layers, and >= 2

@@ -28,23 +28,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from _common import require_ranks  # noqa: E402  (mpi_examples/_common.py)
+from _common import require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import get_ledger  # noqa: E402
 from minizero.numerals import integer  # noqa: E402
 from minizero.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
 from minizero.nn import GPT  # noqa: E402
-from minizero.train import model_config, parse_args, train  # noqa: E402
+from minizero.train import model_config, train  # noqa: E402
 
 
-def measure(comm, stage: int, model: str, accum: int, steps: int = 2) -> list[dict]:
-    """Train ``steps`` steps at ``--zero stage``; every rank's figures (bytes), by rank."""
+def stage_argv(stage: int, model: str, accum: int, steps: int = 2) -> list[str]:
+    """The main job's flags that train ``steps`` steps at ``--zero stage``."""
+    return ["--model", model, "--steps", str(steps), "--grad-accum", str(accum), "--eval-batches", "1",
+            "--eval-every", "0", "--no-progress", "--zero", str(stage), "--no-overlap"]  # blocking gathers: ZeRO-3's
+    # prefetch would hold two units
+
+
+def measure(comm, args) -> list[dict]:
+    """Train as ``args`` (checked: :func:`stage_argv` through ``train_args``) say; every rank's figures (bytes)."""
     gc.collect()  # the previous stage's model and optimizer (reference cycles through hooks)
     get_ledger().reset_peaks()
-    args = parse_args(["--model", model, "--steps", str(steps), "--grad-accum", str(accum), "--eval-batches", "1",
-                       "--eval-every", "0", "--no-progress", "--zero", str(stage), "--no-overlap"],
-                      comm.world_size)  # blocking gathers: ZeRO-3's prefetch would hold two units
     result = train(args, comm, log=lambda s: None)
-    sent = result.strategy.model_state_bytes_per_step(steps)  # whichever synchroniser ran (DP, overlap, ZeRO)
+    sent = result.strategy.model_state_bytes_per_step(args.steps)  # whichever synchroniser ran (DP, overlap, ZeRO)
     peak = get_ledger().peak
     return gather_figures(comm, dict(result["state_bytes"], sent_per_step=sent, gathered_peak=peak["gathered"],
                                      buckets_peak=peak["comm_buffers"]))
@@ -59,12 +63,13 @@ def main():
     comm = world()
     require_ranks(comm, comm.world_size >= 2, "at least 2", "zero_stages.py")  # one rank shards nothing
     n, kib = comm.world_size, 1024
-    cfg = model_config(parse_args(["--model", opts.model]))
+    stages = [train_args(comm, stage_argv(stage, opts.model, opts.grad_accum), "zero_stages.py") for stage in range(4)]
+    cfg = model_config(stages[0])
     sm = ShardMap.from_model(GPT(cfg), n)
     psi = sm.numel
     rows = []
-    for stage in range(4):
-        figs = measure(comm, stage, opts.model, opts.grad_accum)
+    for stage, args in enumerate(stages):
+        figs = measure(comm, args)
         if any(f != figs[0] for f in figs):  # padded shards: every rank holds and sends the same
             raise AssertionError(f"stage {stage}: ranks differ: {figs}")
         rows.append(figs[0])

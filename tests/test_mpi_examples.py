@@ -106,3 +106,24 @@ def test_pipeline_lines_stay_within_120_columns_and_name_each_schedule_before_it
     # before: every GPipe arrow came before the line naming GPipe
     assert arrows and gpipe < min(arrows) and any(gpipe < i < f1b for i in arrows) and max(arrows) > f1b, (
         proc.stdout)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,argv,said", [
+    ("zero_stages.py", ["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+    ("zero_stages.py", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    ("memory_compression.py", ["--model", "tiny", "--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_a_flag_the_main_job_refuses_ends_the_example_in_one_line_on_every_rank(mpiexec, name, argv, said):
+    """Before: the main job's UsageError surfaced as a traceback from each rank, exit status 1."""
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, f"mpi_examples/{name}", *argv], env=mpi_env(),
+                          capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count(f"{name}: error: {said}") == 1, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_pipeline_refuses_more_micro_batches_than_the_main_job_before_making_them():
+    """Before: --micro-batches 1000000000 made a billion batches up front (a run that never ends)."""
+    proc = run_example("pipeline.py", "--micro-batches", "1000000000")
+    assert proc.returncode == 2 and "--micro-batches must be in 1..1,024" in proc.stderr, proc.stderr

@@ -125,6 +125,41 @@ def test_save_dir_and_finetune_out_say_what_to_give_by_errno(tmp_path, monkeypat
                                                       f"give {give}")
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--save-every", "1", "--save-dir", "OUT/model.npz"], "would take the place of the weights (OUT/model.npz)"),
+    (["--save-every", "1", "--save-dir", "OUT/loss.png"], "would take the place of the loss plot (OUT/loss.png)"),
+    (["--save-every", "1", "--save-dir", "OUT/flight"], "would take the place of OUT/flight, the folder of a failed"),
+    (["--json", "OUT/flight"], "would overwrite OUT/flight, the folder of a failed job's flight records"),
+    (["--trace", "OUT/flight"], "would overwrite OUT/flight, the folder of a failed job's flight records"),
+    (["--json", "OUT/flight/rank_0.json"], "is named like a flight record in OUT/flight"),
+    (["--trace", "OUT/flight/rank_1.json"], "is named like a flight record in OUT/flight"),
+])
+def test_an_output_where_the_run_writes_its_own_file_or_folder_is_refused_before_any_work(tmp_path, argv, says):
+    """Before: --save-dir OUT/model.npz trained the whole run, then failed on the weights ("could not write
+    'OUT/model.npz': it is a directory"); --json or --trace OUT/flight wrote a file where a failed job's flight
+    records go (or a file named like a record there: OUT/flight/rank_0.json), and the next run with that --out was
+    refused."""
+    from minizero.args import UsageError, parse_args
+    out = str(tmp_path / "o")
+    argv = [a.replace("OUT", out) for a in argv]
+    with pytest.raises(UsageError) as e:
+        parse_args(["--out", out] + argv, world_size=1)
+    assert str(e.value).startswith(f"{argv[-2]} {argv[-1]!r} ") and says in one_line(str(e.value)), str(e.value)
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("argv", [["--save-every", "1", "--save-dir", "OUT"],  # checkpoints beside the results
+                                  ["--save-every", "1", "--save-dir", "OUT/flight", "--flight-records", "0"],
+                                  ["--json", "OUT/flight", "--flight-records", "0"],  # no flight folder then
+                                  ["--json", "OUT/flight/notes.json"],  # no record's name: never cleared
+                                  ["--save-every", "1", "--save-dir", "OUT/model.npz", "--no-save"]])
+def test_an_output_at_a_path_the_run_leaves_alone_is_taken(tmp_path, argv):
+    from minizero.args import parse_args
+    out = str(tmp_path / "o")
+    os.makedirs(os.path.join(out, "flight")) if argv[-1].endswith("notes.json") else None  # a failed run's folder
+    parse_args(["--out", out] + [a.replace("OUT", out) for a in argv], world_size=1)
+
+
 def test_a_fifo_nobody_reads_is_named_as_one(tmp_path):
     """Before: check_writable_file's open of a FIFO with no reader failed as "No such device or address" (ENXIO),
     and its callers printed that. A FIFO that a process reads is written into, as a device is."""
