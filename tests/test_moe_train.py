@@ -450,3 +450,30 @@ def test_the_load_shares_and_the_drop_rate_are_of_every_choice():
     f, drop = ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1]), 1: np.array([2, 2, 0, 0, 0])})
     assert f.tolist() == [5 / 8, 3 / 8, 0.0, 0.0] and drop == 1 / 8
     assert ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1])})[1] == 0.25
+
+
+def _biases(comm, flags):
+    from minizero.parallel.moe import MoELayer
+
+    res = train(parse_args([*BASE, *flags], comm.world_size), comm, log=lambda s: None)
+    held = {n: m.bias.copy() for n, m in res["stage"].named_modules() if isinstance(m, MoELayer)}
+    whole = res["model"]
+    return held, None if whole is None else {n: m.bias.copy() for n, m in whole.named_modules()
+                                             if isinstance(m, MoELayer)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,flags", [(2, ["--ep", "2"]), (2, ["--tp", "2"]), (2, ["--pp", "2"]),
+                                     (4, ["--ep", "2", "--pp", "2"])])
+def test_the_whole_model_keeps_the_trained_routing_biases(n, flags):
+    """The whole model a run returns (its final sample, the weights it writes) routes with the biases the run learned
+    (``--moe-bias-update``), every layer's from the stage holding it. (Found by round 3 of the mutation audit: under
+    --tp or --pp the gathered model's biases were the fresh model's zeros; with --ep alone a mutant that dropped their
+    copy passed every test.)"""
+    out = run_in_threads(n, _biases, flags)
+    wholes = [w for _, w in out if w is not None]  # on rank 0 (tp, pp > 1) or on every rank (ep alone)
+    assert wholes and all(sorted(w) == ["transformer.h.0.mlp.moe", "transformer.h.1.mlp.moe"] for w in wholes)
+    for name in wholes[0]:
+        held = [h[name] for h, _ in out if name in h]
+        assert held and all(np.array_equal(w[name], h) for w in wholes for h in held), (name, wholes, held)
+    assert any(np.abs(b).max() > 0 for b in wholes[0].values())  # the update ran: a zero copy would not pass
