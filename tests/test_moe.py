@@ -6,7 +6,8 @@
   over the ranks' batches; the router's gradients summed over ranks equal the same sum; the Switch
   loss and the counts are the one-process ones. ep = 2 once under mpiexec.
 * The router z-loss (value and gradient against central differences); the bias moves the choice, not the gate.
-* The capacity rounds up (exact drops); the Switch loss is E sum f P against NumPy, 1.0 when uniform.
+* The capacity rounds up (exact drops); the Switch loss is E sum f P against NumPy, 1.0 when uniform; MoEMLP seeds
+  each loss with its own coefficient.
 * Refused: experts not divisible by ep, top_k out of range.
 """
 import os
@@ -192,3 +193,21 @@ def test_the_switch_loss_is_e_times_the_sum_of_f_times_p_and_one_when_uniform(k)
     layer.router.data[...] = 0.0  # every probability 1/E
     layer(Tensor(x))
     assert abs(layer.aux_loss.item() - 1.0) <= 1e-15
+
+
+def test_the_mlp_seeds_each_loss_with_its_own_coefficient_times_the_seed():
+    """MoEMLP's backward adds grad_scale (aux_coef dAux + z_coef dZ) to the router's gradient: against the same
+    layer's losses summed by hand (float64, 1e-14). (Round-3 mutant: the two coefficients swapped passed every other
+    test: the layouts ran the same code, and the one check of the coefficients asked only that they change the run.)"""
+    from minizero.autograd import backward
+    from minizero.parallel.expert_parallel import MoEMLP
+
+    x = np.random.default_rng(9).normal(size=(2, 6, KW["n_embd"]))
+    mlp = MoEMLP(MoELayer(top_k=2, **KW), aux_coef=0.3, z_coef=0.02, grad_scale=0.25)
+    y = mlp(Tensor(x))
+    backward(y, np.zeros_like(y.data))  # only the losses reach the router
+    ref = MoELayer(top_k=2, **KW)
+    ref(Tensor(x.reshape(12, -1)))
+    ((ref.aux_loss * 0.3 + ref.z_loss * 0.02) * 0.25).backward()
+    want = ref.router.grad
+    np.testing.assert_allclose(mlp.moe.router.grad, want, rtol=0, atol=1e-14 * np.abs(want).max())
