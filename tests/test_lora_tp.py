@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from minizero.autograd import Tensor
 from minizero.autograd.rng import manual_seed
 from minizero.comm.threads import run_in_threads
 from minizero.data import load_tokens
@@ -30,8 +31,8 @@ from minizero.memory.estimator.lora import nf4_shard_bytes, nf4_shard_runs
 from minizero.nf4 import NF4Shard, NF4Tensor, block_absmax, nf4_shard_nbytes
 from minizero.nn import GPT, PRESETS, get_config
 from minizero.nn.gpt import GPTConfig
-from minizero.nn.lora import LoRALinear, add_lora
-from minizero.parallel.lora_tp import tensor_parallel_lora
+from minizero.nn.lora import LoRAAdapter, LoRALinear, add_lora
+from minizero.parallel.lora_tp import ColumnParallelLoRAAdapter, RowParallelLoRAAdapter, tensor_parallel_lora
 from minizero.parallel.tensor_parallel import shard_array
 from minizero.progress import Progress
 from tests.conftest import REPO_ROOT, mpi_env, one_refusal
@@ -77,22 +78,36 @@ def _shards_of_whole(whole, tp, rank):
 
 @pytest.mark.parametrize("base_kind", ["float", "nf4"])
 def test_the_adapters_start_as_one_process_sliced(base_kind):
-    whole = GPT(CFG, seed=1)
-    add_lora(whole, 8, 16.0, base=base_kind, seed=5)
-    for p in whole.parameters():  # a nonzero B, so that B's slicing is checked too
-        if p.requires_grad:
-            p.data[...] = np.random.default_rng(p.size).normal(size=p.shape)
-
     def run(comm):
         model = GPT(CFG, seed=1)
         tensor_parallel_lora(model, comm, 8, 16.0, base=base_kind, seed=5)
         return {n: (m.lora_A.data.copy(), m.lora_B.data.copy()) for n, m in _lora_layers(model)}
     fresh = GPT(CFG, seed=1)
-    add_lora(fresh, 8, 16.0, base=base_kind, seed=5)  # B = 0, A drawn: compare the draws
+    add_lora(fresh, 8, 16.0, base=base_kind, seed=5)  # B = 0, A drawn: compare the draws (a nonzero B: below)
     for rank, got in enumerate(run_in_threads(2, run, timeout=60)):
         for name, (a, b) in _shards_of_whole(fresh, 2, rank).items():
             np.testing.assert_array_equal(got[name][0], a, err_msg=name)
             np.testing.assert_array_equal(got[name][1], b, err_msg=name)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_adapters_of_a_nonzero_b_give_the_whole_adapters_output(stride):
+    """A trained (nonzero) B sliced as the base's weight (Q, K, V parts with stride 3): the column adapter's output
+    is the whole adapter's columns of this rank, the row adapter's (x's columns in) the whole output. (Round-3
+    mutant: B sliced without its stride passed every other test: a fresh B is zero, and the test above had set a
+    nonzero B on a model it never used.)"""
+    rng = np.random.default_rng(8)
+    whole = LoRAAdapter(12, 18, 4, 8.0, np.random.default_rng(1), "float64")
+    whole.lora_B.data[...] = rng.normal(size=whole.lora_B.shape)
+    x = rng.normal(size=(3, 12))
+    want = whole(Tensor(x)).data
+
+    def run(comm):
+        col = ColumnParallelLoRAAdapter(whole, comm, stride)(Tensor(x)).data
+        return col, RowParallelLoRAAdapter(whole, comm)(Tensor(shard_array(x, 1, comm.rank, 2))).data
+    for rank, (col, row) in enumerate(run_in_threads(2, run, timeout=60)):
+        np.testing.assert_allclose(col, shard_array(want, 1, rank, 2, stride), rtol=0, atol=1e-14 * abs(want).max())
+        np.testing.assert_allclose(row, want, rtol=0, atol=1e-14 * abs(want).max())
 
 
 def _estimated(row, method, tp_rank, dp=1, zero=0):

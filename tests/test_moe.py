@@ -6,6 +6,8 @@
   over the ranks' batches; the router's gradients summed over ranks equal the same sum; the Switch
   loss and the counts are the one-process ones. ep = 2 once under mpiexec.
 * The router z-loss (value and gradient against central differences); the bias moves the choice, not the gate.
+* The capacity rounds up (exact drops); the Switch loss is E sum f P against NumPy, 1.0 when uniform; MoEMLP seeds
+  each loss with its own coefficient.
 * Refused: experts not divisible by ep, top_k out of range.
 """
 import os
@@ -160,3 +162,52 @@ def test_the_bias_moves_the_choice_not_the_gate_and_moves_against_the_load():
     y = gelu(Tensor(x[:3]) @ Tensor(layer.w1.data[3])) @ Tensor(layer.w2.data[3])
     np.testing.assert_allclose(out.data[:3], prob[:3, 3:] * y.data, rtol=1e-12)  # gate: the unbiased probability
     assert np.abs(out.data[3:]).max() == 0  # dropped tokens: nothing added
+
+
+def test_capacity_rounds_up_and_a_forward_drops_exactly_past_it():
+    """C_e = ceil(capacity_factor T k / E) (GShard): 1.25 x 10 tokens x 1 / 4 = 3.125 -> 4 slots, so all 10 tokens
+    sent to one expert keep 4 and drop 6. (Round-3 mutant: a floor, 3 slots, passed every other test: their
+    capacities were whole numbers.)"""
+    layer = MoELayer(**{**KW, "capacity_factor": 1.25}, top_k=1)
+    assert [layer.capacity(t) for t in (10, 16, 3)] == [4, 5, 1]
+    assert MoELayer(**{**KW, "capacity_factor": 1.25}, top_k=2).capacity(10) == 7  # 6.25
+    layer.bias = np.array([0.0, 5.0, 0.0, 0.0])  # every token picks expert 1
+    layer(Tensor(np.random.default_rng(6).normal(size=(10, KW["n_embd"]))))
+    assert layer.expert_counts.tolist() == [0, 10, 0, 0] and layer.dropped == 6
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_switch_loss_is_e_times_the_sum_of_f_times_p_and_one_when_uniform(k):
+    """aux = E sum_e f_e P_e (Switch eq. 4), f_e the share of the T k choices, P_e the mean router probability: the
+    NumPy figure to 1e-14, and 1.0 for a uniform router. (Round-3 mutant: the loss without its factor E passed every
+    other test: they compared layouts running the same code, or only that the loss changes the result.)"""
+    x = np.random.default_rng(7).normal(size=(12, KW["n_embd"]))
+    layer = MoELayer(top_k=k, **KW)
+    layer(Tensor(x))
+    logits = x @ layer.router.data
+    prob = np.exp(logits - logits.max(1, keepdims=True))
+    prob /= prob.sum(1, keepdims=True)
+    f = layer.expert_counts / (12 * k)
+    want = KW["num_experts"] * float((f * prob.mean(axis=0)).sum())
+    assert abs(layer.aux_loss.item() - want) <= 1e-14 * want
+    layer.router.data[...] = 0.0  # every probability 1/E
+    layer(Tensor(x))
+    assert abs(layer.aux_loss.item() - 1.0) <= 1e-15
+
+
+def test_the_mlp_seeds_each_loss_with_its_own_coefficient_times_the_seed():
+    """MoEMLP's backward adds grad_scale (aux_coef dAux + z_coef dZ) to the router's gradient: against the same
+    layer's losses summed by hand (float64, 1e-14). (Round-3 mutant: the two coefficients swapped passed every other
+    test: the layouts ran the same code, and the one check of the coefficients asked only that they change the run.)"""
+    from minizero.autograd import backward
+    from minizero.parallel.expert_parallel import MoEMLP
+
+    x = np.random.default_rng(9).normal(size=(2, 6, KW["n_embd"]))
+    mlp = MoEMLP(MoELayer(top_k=2, **KW), aux_coef=0.3, z_coef=0.02, grad_scale=0.25)
+    y = mlp(Tensor(x))
+    backward(y, np.zeros_like(y.data))  # only the losses reach the router
+    ref = MoELayer(top_k=2, **KW)
+    ref(Tensor(x.reshape(12, -1)))
+    ((ref.aux_loss * 0.3 + ref.z_loss * 0.02) * 0.25).backward()
+    want = ref.router.grad
+    np.testing.assert_allclose(mlp.moe.router.grad, want, rtol=0, atol=1e-14 * np.abs(want).max())

@@ -422,3 +422,58 @@ def test_a_resume_after_a_skipped_fp16_step_equals_the_straight_run(monkeypatch,
     assert len(straight_bias) == 2 and all(np.array_equal(a, b) for a, b in zip(straight_bias, resumed_bias))
     for name in straight:
         assert np.array_equal(straight[name], resumed[name]), name
+
+
+def test_each_moe_layer_draws_from_its_own_seed():
+    """Layer i's router and experts are ``MoELayer(seed=seed * 1000 + i)``'s, so two layers differ. (Round-3 mutant:
+    every layer drawn from seed * 1000 passed every other test: the one-process reference shared the draw.)"""
+    from minizero.nn import GPT
+    from minizero.parallel.expert_parallel import MoEConfig, use_moe
+    from minizero.parallel.moe import MoELayer
+
+    cfg = get_config("tiny", dtype="float64")
+    layers = use_moe(GPT(cfg, seed=0), MoEConfig(4, top_k=2), seed=3)
+    assert sorted(layers) == [0, 1]
+    for i, moe in layers.items():
+        want = MoELayer(cfg.n_embd, 4 * cfg.n_embd, 4, 2, seed=3000 + i, dtype=cfg.dtype)
+        for name in ("router", "w1", "w2"):
+            np.testing.assert_array_equal(getattr(moe, name).data, getattr(want, name).data, err_msg=f"{i} {name}")
+    assert not np.array_equal(layers[0].router.data, layers[1].router.data)
+
+
+def test_the_load_shares_and_the_drop_rate_are_of_every_choice():
+    """``ExpertLoad.shares``: each expert's share of the choices and the dropped share of the same choices (the
+    counts are taken before dropping): counts 3, 1, 0, 0 with 1 dropped -> 0.75, 0.25, 0, 0 and 0.25. (Round-3 mutant:
+    the drops over the kept choices, 1/3, passed every other test.)"""
+    from minizero.parallel.expert_parallel import ExpertLoad
+
+    f, drop = ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1]), 1: np.array([2, 2, 0, 0, 0])})
+    assert f.tolist() == [5 / 8, 3 / 8, 0.0, 0.0] and drop == 1 / 8
+    assert ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1])})[1] == 0.25
+
+
+def _biases(comm, flags):
+    from minizero.parallel.moe import MoELayer
+
+    res = train(parse_args([*BASE, *flags], comm.world_size), comm, log=lambda s: None)
+    held = {n: m.bias.copy() for n, m in res["stage"].named_modules() if isinstance(m, MoELayer)}
+    whole = res["model"]
+    return held, None if whole is None else {n: m.bias.copy() for n, m in whole.named_modules()
+                                             if isinstance(m, MoELayer)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,flags", [(2, ["--ep", "2"]), (2, ["--tp", "2"]), (2, ["--pp", "2"]),
+                                     (4, ["--ep", "2", "--pp", "2"])])
+def test_the_whole_model_keeps_the_trained_routing_biases(n, flags):
+    """The whole model a run returns (its final sample, the weights it writes) routes with the biases the run learned
+    (``--moe-bias-update``), every layer's from the stage holding it. (Found by round 3 of the mutation audit: under
+    --tp or --pp the gathered model's biases were the fresh model's zeros; with --ep alone a mutant that dropped their
+    copy passed every test.)"""
+    out = run_in_threads(n, _biases, flags)
+    wholes = [w for _, w in out if w is not None]  # on rank 0 (tp, pp > 1) or on every rank (ep alone)
+    assert wholes and all(sorted(w) == ["transformer.h.0.mlp.moe", "transformer.h.1.mlp.moe"] for w in wholes)
+    for name in wholes[0]:
+        held = [h[name] for h, _ in out if name in h]
+        assert held and all(np.array_equal(w[name], h) for w in wholes for h in held), (name, wholes, held)
+    assert any(np.abs(b).max() > 0 for b in wholes[0].values())  # the update ran: a zero copy would not pass

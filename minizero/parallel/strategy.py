@@ -36,7 +36,8 @@ from minizero.parallel.overlap import OverlappedReducer, can_overlap
 from minizero.parallel.pipeline import PipelineEngine, PipelineStage, allreduce_tied_embedding_grads
 from minizero.parallel.schedule import V_SHAPED
 from minizero.parallel.sequence_parallel import SequenceParallelGrads
-from minizero.parallel.three_d import build_stage, gather_full_model, grad_norm_sq, scratch_ledger, traffic_by_group
+from minizero.parallel.three_d import (build_stage, gather_full_model, gather_routing_biases, grad_norm_sq,
+                                       scratch_ledger, traffic_by_group)
 from minizero.parallel.topology import Topology
 from minizero.zero import shards_parameters, zero_optimizer
 from minizero.zero.hybrid import hybrid_groups
@@ -230,7 +231,11 @@ class Strategy:
             with self.full_parameters():  # ZeRO-3: gathered first
                 return gather_experts(self.model, whole, self.ep_comm)
         with self.full_parameters(), whole_experts(self.stage, self.ep_comm):
-            return gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
+            whole = gather_full_model(self.stage, self.topo, self.stage.config, make_model=self.make_model)
+        if self.expert_load is None:
+            return whole
+        load = self.expert_load  # the routing biases are no parameters: gathered on their own
+        return gather_routing_biases(self.stage, whole, self.topo, load.all_layers, load.experts)
 
     def traffic(self) -> dict:
         """Bytes sent per group: ``{group: traffic snapshot}`` for tp, dp, pp, embed and world, and ``edp`` (MoE's

@@ -21,13 +21,14 @@ from minizero.ledger import MemoryLedger, get_ledger, set_ledger
 from minizero.nn import GPT
 from minizero.nn.init import attach_inits, is_meta, materialize_
 from minizero.parallel.interleaved import InterleavedStage, interleave, tie_ends
+from minizero.parallel.moe import MoELayer
 from minizero.parallel.pipeline import PipelineStage
 from minizero.parallel.sequence_parallel import sequence_parallelize
 from minizero.parallel.tensor_parallel import is_tensor_parallel_duplicate, tensor_parallelize, unshard_arrays
 from minizero.parallel.topology import Topology
 from minizero.parallel.vocab_parallel import vocab_parallelize
 
-_HDR_TAG, _DATA_TAG = 1201, 1202
+_HDR_TAG, _DATA_TAG, _BIAS_TAG = 1201, 1202, 1203
 
 
 @contextlib.contextmanager
@@ -128,6 +129,27 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, 
                 break
         p.data[...] = shards[0] if dim < 0 else unshard_arrays(shards, dim, stride)
     return full
+
+
+def gather_routing_biases(stage, whole, topo: Topology, moe_layers: list, experts: int):
+    """Collective over the world: ``whole`` (:func:`gather_full_model`'s GPT on the root, None elsewhere) gets each MoE
+    layer's routing bias (not a parameter) from the stage holding it: the ranks at dp 0, tp 0 of the other stages
+    send a (MoE layers, E) float64 table, their layers' rows, to the root (traffic ``gather_model``). Returns
+    ``whole``. ``moe_layers``: the model's MoE block indices."""
+    mine = {int(n.split(".")[2]): m.bias for n, m in stage.named_modules() if isinstance(m, MoELayer)}
+    table = np.array([mine.get(i, np.zeros(experts)) for i in moe_layers], dtype=np.float64).reshape(-1, experts)
+    comm, root = topo.world, topo.rank_of(0, 0, 0)
+    if topo.dp_rank == 0 and topo.tp_rank == 0 and comm.rank != root:
+        with comm.traffic.op("gather_model"):
+            comm.send(table, root, tag=_BIAS_TAG)
+    if comm.rank != root:
+        return None
+    tables = [table] + [comm.recv(np.empty_like(table), topo.rank_of(0, 0, s), tag=_BIAS_TAG)
+                        for s in range(1, topo.pp)]
+    layers = {int(n.split(".")[2]): m for n, m in whole.named_modules() if isinstance(m, MoELayer)}
+    for row, i in enumerate(moe_layers):
+        layers[i].bias = tables[stage.rank_of_layer(i)][row].copy()
+    return whole
 
 
 def _header(p) -> list:  # gather_full_model's [partition_dim, stride] of p's shards; [-1, 1]: p is whole
