@@ -216,7 +216,7 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     """Attacker: --json pointed at a checkpoint's manifest.json (or its 'latest') replaced it after the whole
     check; '' failed only at the end; a missing folder was created. Only a new file or an earlier result goes.
     Before (minizero.jsons): an earlier result was known by its keys; a user's JSON with them was replaced, and so
-    was a run's summary.json beside its weights; /dev/stdout was refused."""
+    was a run's summary.json beside its weights; /dev/stdout was refused (and, until 2026-12-07, /dev/null)."""
     (tmp_path / "manifest.json").write_text('{"format": "minizero-checkpoint"}')
     (tmp_path / "latest").write_text("step_00000002")
     (tmp_path / "old.json").write_text(earlier_json(checks=[], hardware=None))
@@ -231,7 +231,7 @@ def test_the_results_never_replace_what_the_user_wrote(tmp_path):
     assert problem("/dev/stdout") is None and "descriptor 987 is not open" in problem("/dev/fd/987")
     assert problem("") == "--json '': give a file path"
     assert "does not exist" in problem(str(tmp_path / "no" / "x.json"))
-    assert "not a regular file" in problem("/dev/null")
+    assert problem("/dev/null") is None  # written into, as train.py's --json (before: refused)
     assert "is a directory" in problem(str(tmp_path))
     for name in ("new.json/.", "old.json/.", "old.json/.."):  # before: new.json written, old.json failed late
         path = f"{tmp_path}/{name}"  # as typed: pathlib drops a last '.'
