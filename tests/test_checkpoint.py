@@ -1125,6 +1125,13 @@ def _set_param_shape(name, shape):
     , (lambda man: man["files"][0].update(rank="0"), "files[0] has bytes {bytes0}, rank '0', expected integers >= 0")
     , (lambda man: man["layout"].update(dp_shard="x"), "layout.dp_shard is 'x', expected a divisor of layout.dp 2")
     , (lambda man: man["layout"].update(dp_shard=0), "layout.dp_shard is 0, expected a divisor of layout.dp 2")
+    # mutation audit: each passed the check with one bound loosened (dropout <= 1, extra params unreported, a gap of
+    # one element between pieces unseen)
+    , (lambda man: man["model"].update(dropout=1), "model.dropout is 1, expected a number in [0, 1)")
+    , (lambda man: man["params"].update({"transformer.h.0.extra": {"shape": [2], "dtype": "float64"}}),
+       "params['transformer.h.0.extra'] is not a parameter of the model (as the model section says)")
+    , (lambda man: man["pieces"][1].update(lo=1), "pieces hold no m of 'transformer.wte.weight' element 0 (of 4,096), "
+                                                  "expected every element saved")
 ])
 def test_layout_model_shapes_moe_applied_and_scale_are_checked(saved, tmp_path, edit, said):
     """Attacker: world_size 10**12 hung (range(ws) built first); an unknown or ill-typed model field, a parameter
