@@ -168,6 +168,24 @@ def test_reshard_4_ranks_zero1_to_2_ranks(flags, shared):
     assert 0 < resumed["load_peak"] < full_bytes  # one parameter's pieces at a time, never the whole model
 
 
+DROPOUT_DP2 = F64 + ["--dropout", "0.1", "--micro-batch-size", "2"]
+
+
+@pytest.mark.timeout(300)
+def test_a_dropout_run_resharded_to_one_process_restores_its_generator(shared):
+    """One generator state on every rank (masks addressed by site and row): resumed on another layout it is restored,
+    not re-seeded, so the masks, and the run, are the uninterrupted one's. (Mutation audit: taking the per-rank branch,
+    which re-seeds on a new layout, passed every test: no resharded resume had dropout.)"""
+    straight, folder = shared.saved(2, DROPOUT_DP2)
+    lines = []
+    resumed = run(1, F64 + ["--dropout", "0.1", "--micro-batch-size", "4", "--resume", str(folder)], lines)
+    assert not any("re-seeded" in line for line in lines), lines
+    assert resumed["start_step"] == 3
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=RESHARD_ATOL)
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=RESHARD_ATOL, err_msg=k)
+
+
 @pytest.mark.timeout(300)
 def test_reshard_zb_v_to_one_process(shared):
     """ZB-V's V placement (rank 0 holds layers 0 and 3 and the tied head) saves the model's names: one process resumes it."""

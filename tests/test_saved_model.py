@@ -175,3 +175,16 @@ def test_weights_of_another_float_dtype_load_in_that_dtype_bit_for_bit(tmp_path,
     got = model.state_dict()
     for k, a in state.items():
         assert got[k].dtype == a.dtype and np.array_equal(got[k], a), k
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, value):
+    """(Mutation audit: read_weights' finiteness check removed passed every test.)"""
+    state = GPT(TINY, seed=1).state_dict()
+    state["transformer.wpe.weight"][0, :3] = value
+    weights = save_model(str(tmp_path / "out"), state, TINY)
+    with pytest.raises(ValueError) as e:
+        read_weights(weights)
+    assert str(e.value) == (f"--weights {weights!r}: tensor 'transformer.wpe.weight' has 3 non-finite value(s) (NaN "
+                            f"or inf) of {state['transformer.wpe.weight'].size}; sampling, quantizing and fine-tuning "
+                            "need finite weights")
