@@ -390,6 +390,24 @@ def _edit_manifest(folder, edit):
     return folder
 
 
+def test_a_killed_or_replaced_saves_folder_is_never_resumed(saved, tmp_path):
+    """A ``.tmp-step_N`` holding its manifest (killed between the manifest and the rename) looks complete, and a
+    ``.trash-step_N`` is one: neither is resumed, even named. (Mutation audit: that check removed passed every test.)"""
+    _copy(saved, tmp_path / "step_00000002")
+    for name, what in ((".tmp-step_00000002", "an unfinished save (never renamed to step_N)"),
+                       (".trash-step_00000002", "a replaced checkpoint")):
+        msg = _resume_error(_copy(saved, tmp_path / name))
+        assert msg.endswith(f"--resume {tmp_path / name}: {what}, never resumed; complete ones beside it: "
+                            "step_00000002"), msg
+
+
+def test_a_checkpoint_saved_before_moe_existed_resumes_as_dense(saved, tmp_path):
+    """No layout.moe_experts (saved before the field): read as 0, a dense run's. (Mutation audit: without that default
+    every such checkpoint was refused, and no test had one.)"""
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["layout"].pop("moe_experts"))
+    assert parse_args(BASE + F64 + ["--resume", str(folder)], 2).resume == str(folder)
+
+
 @pytest.mark.timeout(60)
 def test_pieces_outside_the_folder_fifos_and_symlinks_are_refused_before_opening(saved, tmp_path):
     def piece_outside(man):
@@ -1150,6 +1168,8 @@ def _set_param_shape(name, shape):
        "params['transformer.h.0.extra'] is not a parameter of the model (as the model section says)")
     , (lambda man: man["pieces"][1].update(lo=1), "pieces hold no m of 'transformer.wte.weight' element 0 (of 4,096), "
                                                   "expected every element saved")
+    , (lambda man: man.update(pruning={"sparsity": 1, "scope": "global", "shapes": {}, "file": "rank00000.safetensors"}),
+       "pruning.sparsity is 1, expected a number in [0, 1)")
 ])
 def test_layout_model_shapes_moe_applied_and_scale_are_checked(saved, tmp_path, edit, said):
     """Attacker: world_size 10**12 hung (range(ws) built first); an unknown or ill-typed model field, a parameter
