@@ -168,6 +168,24 @@ def test_reshard_4_ranks_zero1_to_2_ranks(flags, shared):
     assert 0 < resumed["load_peak"] < full_bytes  # one parameter's pieces at a time, never the whole model
 
 
+DROPOUT_DP2 = F64 + ["--dropout", "0.1", "--micro-batch-size", "2"]
+
+
+@pytest.mark.timeout(300)
+def test_a_dropout_run_resharded_to_one_process_restores_its_generator(shared):
+    """One generator state on every rank (masks addressed by site and row): resumed on another layout it is restored,
+    not re-seeded, so the masks, and the run, are the uninterrupted one's. (Mutation audit: taking the per-rank branch,
+    which re-seeds on a new layout, passed every test: no resharded resume had dropout.)"""
+    straight, folder = shared.saved(2, DROPOUT_DP2)
+    lines = []
+    resumed = run(1, F64 + ["--dropout", "0.1", "--micro-batch-size", "4", "--resume", str(folder)], lines)
+    assert not any("re-seeded" in line for line in lines), lines
+    assert resumed["start_step"] == 3
+    np.testing.assert_allclose(resumed["train_losses"], straight["train_losses"][3:], rtol=0, atol=RESHARD_ATOL)
+    for k, a in straight["params"].items():
+        np.testing.assert_allclose(resumed["params"][k], a, rtol=0, atol=RESHARD_ATOL, err_msg=k)
+
+
 @pytest.mark.timeout(300)
 def test_reshard_zb_v_to_one_process(shared):
     """ZB-V's V placement (rank 0 holds layers 0 and 3 and the tied head) saves the model's names: one process resumes it."""
@@ -370,6 +388,24 @@ def _edit_manifest(folder, edit):
     edit(man)
     (folder / "manifest.json").write_text(json.dumps(man))
     return folder
+
+
+def test_a_killed_or_replaced_saves_folder_is_never_resumed(saved, tmp_path):
+    """A ``.tmp-step_N`` holding its manifest (killed between the manifest and the rename) looks complete, and a
+    ``.trash-step_N`` is one: neither is resumed, even named. (Mutation audit: that check removed passed every test.)"""
+    _copy(saved, tmp_path / "step_00000002")
+    for name, what in ((".tmp-step_00000002", "an unfinished save (never renamed to step_N)"),
+                       (".trash-step_00000002", "a replaced checkpoint")):
+        msg = _resume_error(_copy(saved, tmp_path / name))
+        assert msg.endswith(f"--resume {tmp_path / name}: {what}, never resumed; complete ones beside it: "
+                            "step_00000002"), msg
+
+
+def test_a_checkpoint_saved_before_moe_existed_resumes_as_dense(saved, tmp_path):
+    """No layout.moe_experts (saved before the field): read as 0, a dense run's. (Mutation audit: without that default
+    every such checkpoint was refused, and no test had one.)"""
+    folder = _edit_manifest(_copy(saved, tmp_path / "m"), lambda man: man["layout"].pop("moe_experts"))
+    assert parse_args(BASE + F64 + ["--resume", str(folder)], 2).resume == str(folder)
 
 
 @pytest.mark.timeout(60)
@@ -1125,6 +1161,15 @@ def _set_param_shape(name, shape):
     , (lambda man: man["files"][0].update(rank="0"), "files[0] has bytes {bytes0}, rank '0', expected integers >= 0")
     , (lambda man: man["layout"].update(dp_shard="x"), "layout.dp_shard is 'x', expected a divisor of layout.dp 2")
     , (lambda man: man["layout"].update(dp_shard=0), "layout.dp_shard is 0, expected a divisor of layout.dp 2")
+    # mutation audit: each passed the check with one bound loosened (dropout <= 1, extra params unreported, a gap of
+    # one element between pieces unseen)
+    , (lambda man: man["model"].update(dropout=1), "model.dropout is 1, expected a number in [0, 1)")
+    , (lambda man: man["params"].update({"transformer.h.0.extra": {"shape": [2], "dtype": "float64"}}),
+       "params['transformer.h.0.extra'] is not a parameter of the model (as the model section says)")
+    , (lambda man: man["pieces"][1].update(lo=1), "pieces hold no m of 'transformer.wte.weight' element 0 (of 4,096), "
+                                                  "expected every element saved")
+    , (lambda man: man.update(pruning={"sparsity": 1, "scope": "global", "shapes": {}, "file": "rank00000.safetensors"}),
+       "pruning.sparsity is 1, expected a number in [0, 1)")
 ])
 def test_layout_model_shapes_moe_applied_and_scale_are_checked(saved, tmp_path, edit, said):
     """Attacker: world_size 10**12 hung (range(ws) built first); an unknown or ill-typed model field, a parameter

@@ -85,3 +85,14 @@ def test_a_save_dirs_latest_pointer_is_never_an_output(tmp_path):
         with pytest.raises(ValueError, match="would overwrite latest, which minizero's programs read back"):
             check(str(tmp_path / "ck" / "latest"), "--json")
         check(str(tmp_path / "latest"), "--json")
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    """A file the user made private (0600) or executable stays so when written again, whatever the umask.
+    (Mutation audit: the new file given the umask's mode passed every test.)"""
+    for mode in (0o600, 0o755):
+        path = tmp_path / f"f{mode:o}.json"
+        path.write_text("{}")
+        os.chmod(path, mode)
+        assert _write_under_umask(path, 0o022) == mode
+        assert path.read_text() == "x"

@@ -155,6 +155,23 @@ def test_two_ranks_lora_with_dropout_equal_one_process(tmp_path, layout):
             np.testing.assert_allclose(merged[name], a, rtol=0, atol=1e-12, err_msg=name)
 
 
+def test_each_finetune_step_draws_new_dropout_masks(tmp_path, monkeypatch):
+    """A step's masks are addressed by the generator's (key, offset) (rng.batch_rows): finetune reserves one offset a
+    step, so no two steps share masks. (Mutation audit: without that reserve(1) every step reused step 0's masks and
+    every test passed: the one-process reference ran the same loop.)"""
+    import minizero.finetune as ft
+    from minizero.autograd.rng import get_rng_state
+    dropout = _write(tmp_path, dataclasses.replace(CFG, dropout=0.1))
+    states, batch = [], ft.global_batch
+
+    def noting_the_generator(*args):
+        states.append((get_rng_state()["key"], get_rng_state()["offset"]))  # what this step's forward will use
+        return batch(*args)
+    monkeypatch.setattr(ft, "global_batch", noting_the_generator)
+    finetune(_args(dropout), "lora", load_tokens(str(dropout[1])))
+    assert len(states) == 3 and len(set(states)) == 3, states
+
+
 def test_finetune_refuses_a_tp_its_communicator_cannot_hold(base):
     with pytest.raises(ValueError, match="--tp 2 must divide the 1 ranks"):
         finetune(_args(base, "--tp", "2"), "lora", load_tokens(str(base[1])))

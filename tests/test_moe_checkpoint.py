@@ -110,13 +110,20 @@ def _move_rank1s_bias(files):
     files[1]["routing"]["transformer.h.1.mlp.moe"][2] += 0.5
 
 
+def _drop_a_bias(files):
+    for f in files:
+        f["routing"]["transformer.h.0.mlp.moe"].pop()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n, edit, said", [
     (1, _rename_layer0, "files hold no routing biases of 'transformer.h.0.mlp.moe', 'transformer.h.1.mlp.moe', "
                         "expected"),
     (2, _move_rank1s_bias, "files[1].routing['transformer.h.1.mlp.moe'] differs from files[0]'s, expected one "
                            "state in every file"),
-], ids=["layer-renamed", "ranks-differ"])
+    (1, _drop_a_bias, "files[0].routing['transformer.h.0.mlp.moe'] has 3 numbers, expected 4 (layout.moe_experts) "
+                      "(MoE's routing biases)"),  # mutation audit: the count unchecked passed every test
+], ids=["layer-renamed", "ranks-differ", "an-expert-short"])
 def test_a_manifest_whose_routing_biases_are_not_as_saved_is_refused_before_any_work(tmp_path, capsys, n, edit, said):
     """Attacker: the routing section dropped from every files entry (or its layers renamed) passed the manifest
     check; --resume built the model, then failed in restore (exit 1, MPI_Abort under mpiexec). Two files with

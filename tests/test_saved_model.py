@@ -161,3 +161,30 @@ def test_a_forged_zip_comment_is_not_echoed_whole(tmp_path, base):
     said = str(e.value)
     assert "is not the model.json saved with --weights" in said and "n_head 4" in said and len(said) < 1000
     assert "dtype 'xxxx" in said and "xxx..." in said and "yyy..." not in said  # a short prefix, an ellipsis
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_weights_of_another_float_dtype_load_in_that_dtype_bit_for_bit(tmp_path, dtype):
+    """A float64 (or an FP16 run's float16) model.npz is read back as saved: its config's dtype is the arrays', the
+    arrays equal. (Mutation audit: the arrays' dtype read as float32 always passed every test, all float32.)"""
+    cfg = get_config("tiny", dtype=dtype)
+    state = GPT(cfg, seed=1).state_dict()
+    weights = save_model(str(tmp_path / "out"), state, cfg)
+    model = load_gpt(weights)
+    assert model.config == cfg
+    got = model.state_dict()
+    for k, a in state.items():
+        assert got[k].dtype == a.dtype and np.array_equal(got[k], a), k
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, value):
+    """(Mutation audit: read_weights' finiteness check removed passed every test.)"""
+    state = GPT(TINY, seed=1).state_dict()
+    state["transformer.wpe.weight"][0, :3] = value
+    weights = save_model(str(tmp_path / "out"), state, TINY)
+    with pytest.raises(ValueError) as e:
+        read_weights(weights)
+    assert str(e.value) == (f"--weights {weights!r}: tensor 'transformer.wpe.weight' has 3 non-finite value(s) (NaN "
+                            f"or inf) of {state['transformer.wpe.weight'].size}; sampling, quantizing and fine-tuning "
+                            "need finite weights")
