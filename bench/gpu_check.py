@@ -436,9 +436,9 @@ def _json_target_why(path: str) -> str | None:
     if os.path.lexists(path):
         if not os.path.isfile(path):  # a device such as /dev/null is written into (as train.py's --json)
             refuse_blocking(path, "--json")  # a FIFO would wait for a reader after the whole check
-            return None
-        refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
-    check_writable_file(path)
+        else:
+            refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
+    check_writable_file(path)  # a device too: /dev/full refuses even no bytes
     return None
 
 
