@@ -408,8 +408,8 @@ MAX_STEPS = 1000  #: --steps' longer run at most this many gpt2 steps
 
 def json_target_problem(path: str) -> str | None:
     """The line refusing ``--json path`` (why, what to give), or None: it must be a new file, or a summary minizero
-    wrote (minizero.jsons: nothing the user wrote is replaced), in a folder that exists and takes a file; or
-    /dev/stdout (minizero.streams)."""
+    wrote (minizero.jsons: nothing the user wrote is replaced), in a folder that exists and takes a file; a device
+    that takes a write (/dev/null; not a FIFO); or /dev/stdout (minizero.streams)."""
     try:
         if path and stream_fd(path) is not None:
             return check_stream(path, "--json")
@@ -436,9 +436,9 @@ def _json_target_why(path: str) -> str | None:
     if os.path.lexists(path):
         if not os.path.isfile(path):  # a device such as /dev/null is written into (as train.py's --json)
             refuse_blocking(path, "--json")  # a FIFO would wait for a reader after the whole check
-            return None
-        refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
-    check_writable_file(path)
+        else:
+            refuse_foreign(path, "--json")  # a summary minizero wrote, judged without parsing a big file whole
+    check_writable_file(path)  # a device too: /dev/full refuses even no bytes
     return None
 
 

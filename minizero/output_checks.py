@@ -91,10 +91,9 @@ def clear_flight(args) -> str | None:
 def not_a_flight_record(args, flag: str, given: str) -> None:
     """Refuse an output named like a flight record (``rank_R.json``) in OUT/flight: a failed job's dump would
     replace it, and the next run with this OUT refuses it as a record minizero did not write (:func:`clear_flight`)."""
-    flight = os.path.realpath(os.path.join(args.out, "flight"))
     if args.no_save or not args.flight_records or not RECORD_NAME.fullmatch(os.path.basename(given)):
         return
-    if os.path.realpath(os.path.dirname(os.path.abspath(given))) == flight:
+    if os.path.realpath(os.path.dirname(os.path.abspath(given))) == os.path.realpath(os.path.join(args.out, "flight")):
         raise UsageError(f"{flag} {given!r} is named like a flight record in OUT/flight, where a failed job's records "
                          "go; give another file")
 

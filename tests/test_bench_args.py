@@ -509,6 +509,14 @@ def test_gpu_check_writes_its_json_into_dev_null_and_refuses_a_fifo(tmp_path):
     assert "is a named pipe (FIFO)" in problem, problem
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_gpu_check_refuses_a_device_that_takes_no_bytes_as_train_does():
+    """A device is probed as train.py's --json probes it. Before: once /dev/null was taken, every device passed the
+    check unprobed, and --json /dev/full failed after the whole check ("No space left on device")."""
+    problem = load("gpu_check").json_target_problem("/dev/full")
+    assert problem is not None and "No space left on device" in problem, problem
+
+
 def test_3d_main_job_refuses_a_keep_folder_train_would_refuse_before_any_run(monkeypatch, capsys, tmp_path):
     """Before: the fourth run's --out (a user's file in --keep) was refused by train after three runs, a traceback."""
     (tmp_path / "3d_long").write_text("notes")

@@ -208,7 +208,6 @@ def test_reader_reads_only_the_overlapping_pieces(shared):
     assert reader.reads - reads < reads  # fewer pieces read for the half than for the whole
 
 
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight",
                                   "transformer.h.0.attn.c_proj.weight"])
@@ -224,6 +223,7 @@ def test_a_tp2_checkpoint_reads_as_tp4_shards(name, shared):
         want = np.concatenate([np.split(p, 4, axis=dim)[i] for p in np.split(whole, stride, axis=dim)], axis=dim)
         got = reader.gather("param", name, (dim, stride, i, 4), 0, want.size, np.float64)
         np.testing.assert_array_equal(got, want.reshape(-1))
+
 
 def _cli(mpiexec, n, flags, env=None):
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "minizero.train", *BASE[:-2], "--sample-tokens", "1",

@@ -492,7 +492,6 @@ def test_tensor_parallel_bytes_refuses_a_shard_rank_out_of_range(shard_rank, seq
     assert E.tensor_parallel_bytes(cfg, st, shard_rank=1)["total"] > 0
 
 
-
 @pytest.mark.parametrize("kw, said", [({"micro_batch": -1}, r"micro_batch must be a positive integer, got -1"),
                                       ({"recompute": "x"}, r"recompute='x' is not one of \('none'"),
                                       ({"tp": 0}, r"tp must be a positive integer, got 0"),
@@ -503,6 +502,7 @@ def test_layer_activation_bytes_names_a_bad_argument(kw, said):
     with pytest.raises(ValueError, match=said):
         E.layer_activation_bytes(GPT3, **kw)
     assert E.layer_activation_bytes(GPT3) == E.layer_activation_bytes(GPT3, GPT3.seq_len, 1)
+
 
 def test_a_vocabulary_t_does_not_divide_costs_its_padded_shard_everywhere():
     """V = 1001 over t = 2 holds ceil(V/t) = 501 rows per rank (Megatron pads the vocabulary), as V = 1002 does:

@@ -385,3 +385,17 @@ def test_progress_shows_the_step_loss_averaged_over_the_data_ranks(base):
 
     one = shown(None)
     assert len(one) == 3 and one[0].startswith("step 1/3  loss ") and run_in_threads(2, shown)[0] == one
+
+
+def test_the_tied_head_is_refused_before_the_model_is_split():
+    """tensor_parallel_lora refuses ``lm_head`` in ``targets`` as add_lora does, before tensor_parallelize. Before:
+    add_lora's refusal came after the split, leaving the caller's model split and unadapted."""
+    from minizero.nn.gpt import CausalSelfAttention
+
+    def run(comm):
+        model = GPT(get_config("tiny"), seed=1)
+        with pytest.raises(ValueError, match="lm_head is tied to transformer.wte"):
+            tensor_parallel_lora(model, comm, 2, 4.0, targets=("lm_head", "c_fc"), base="float")
+        return type(model.transformer["h"][0].attn) is CausalSelfAttention
+
+    assert run_in_threads(2, run, timeout=60) == [True, True]

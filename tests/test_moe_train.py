@@ -449,7 +449,8 @@ def test_the_load_shares_and_the_drop_rate_are_of_every_choice():
 
     f, drop = ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1]), 1: np.array([2, 2, 0, 0, 0])})
     assert f.tolist() == [5 / 8, 3 / 8, 0.0, 0.0] and drop == 1 / 8
-    assert ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1])})[1] == 0.25
+    f, drop = ExpertLoad.shares({0: np.array([3, 1, 0, 0, 1])})  # the docstring's example
+    assert f.tolist() == [0.75, 0.25, 0.0, 0.0] and drop == 0.25
 
 
 def _biases(comm, flags):

@@ -206,3 +206,21 @@ def test_backward_twice_with_retain_graph_reads_the_offloaded_arrays_twice(kind,
     first, x.grad = x.grad.copy(), None
     y.backward()
     assert np.array_equal(x.grad, first)
+
+
+def test_a_buffer_packed_each_forward_is_watched_once():
+    """The finalizer that forgets a freed buffer's copy is registered once per buffer. Before: a buffer that lives
+    across steps (refilled in place) got one more finalizer each forward, kept for the run."""
+    import gc
+    import weakref
+
+    from minizero.autograd import Tensor
+    off = ActivationOffload("cpu", min_bytes=0)
+    buf, w = np.ones((16, 16)), Tensor(np.full((16, 16), 3.0), requires_grad=True)
+    counts = []
+    for _ in range(5):
+        with off():
+            y = (Tensor(buf) * w).sum()
+        y.backward()
+        counts.append(sum(isinstance(o, weakref.finalize) for o in gc.get_objects()))
+    assert counts[1:] == counts[:-1], counts

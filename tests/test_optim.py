@@ -59,7 +59,6 @@ def test_adamw_first_step_is_decay_then_lr_times_the_gradient_sign():
     np.testing.assert_allclose(p.data, want, rtol=1e-15, atol=0)
 
 
-
 def test_a_float16_parameter_without_masters_decays_and_steps_as_float32_rounded_once():
     """p float16, state float32: each step is the float32 step (decay, then Adam) from the same p, rounded to float16
     once; bit for bit, for the decayed 2-D weight and the undecayed bias."""
@@ -78,6 +77,7 @@ def test_a_float16_parameter_without_masters_decays_and_steps_as_float32_rounded
         for p16, p32 in ((w16, w32), (b16, b32)):
             assert p16.data.dtype == np.float16
             np.testing.assert_array_equal(p16.data, p32.data.astype(np.float16))
+
 
 def test_cosine_schedule_at_hand_computed_steps():
     """Warmup 4 to max 1.0, cosine to 0.1 at step 12: linear (step + 1) / 4, then 0.1 + 0.45 (1 + cos(pi r))."""

@@ -274,7 +274,6 @@ def test_quantize_command_table(trained_tiny, capsys):
         assert r["block_size"] == (64 if gran == "block" else None)  # one scale per row/tensor: no block size
 
 
-
 def test_quantize_s_fp32_loss_is_the_one_the_trainer_saved(tmp_path):
     """The baseline row evaluates the trainer's own validation batches (its data, seed and --eval-batches from
     summary.json): the same loss, bit for bit, as summary.json's val_loss."""
@@ -287,6 +286,7 @@ def test_quantize_s_fp32_loss_is_the_one_the_trainer_saved(tmp_path):
     assert quantize_main(["--weights", str(out / "model.npz"), "--json", str(tmp_path / "q.json")]) == 0
     saved = json.loads((out / "summary.json").read_text())["val_loss"]
     assert json.loads((tmp_path / "q.json").read_text())["baseline"]["val_loss"] == saved
+
 
 def test_quantize_command_errors(tmp_path, capsys):
     from minizero.quantize import main

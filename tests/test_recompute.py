@@ -41,7 +41,6 @@ def test_recompute_gradients_bitwise_equal_with_dropout(mode, every):
         np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
 
 
-
 def second_step(mode, every):
     """The loss and gradients of a second forward + backward with dropout, after a first one, and the generator
     state between the two."""
@@ -67,6 +66,7 @@ def test_recompute_in_backward_leaves_the_dropout_generator_where_forward_left_i
     assert loss == ref_loss
     for i, (a, b) in enumerate(zip(ref, got)):
         np.testing.assert_array_equal(a, b, err_msg=f"param {i}")
+
 
 def block_activation_bytes(cfg, batch):
     """Peak saved bytes of one block's forward+backward on its own (measured)."""

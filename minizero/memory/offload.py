@@ -62,6 +62,7 @@ class ActivationOffload:
         # _buffer_key -> packed (host array or _OnDisk) while a save holds it and the device buffer lives: saves of
         # one buffer in one graph share a copy; a later forward packs the buffer anew (it may have been refilled)
         self._packed = weakref.WeakValueDictionary()
+        self._watched = {}  # _buffer_key -> the finalizer dropping it when the device buffer dies (one per buffer)
         self.rank = rank
         self.dir = None
         if kind == "nvme":
@@ -82,8 +83,14 @@ class ActivationOffload:
             return packed
         packed = self._pack_new(a)
         self._packed[key] = packed
-        weakref.finalize(owning_buffer(a), self._packed.pop, key, None)
+        if key not in self._watched:  # a buffer packed again each forward gets one finalizer, not one a step
+            self._watched[key] = weakref.finalize(owning_buffer(a), self._unwatch, key)
         return packed
+
+    def _unwatch(self, key) -> None:
+        """The device buffer of ``key`` is freed: a new buffer at its address is another one."""
+        self._packed.pop(key, None)
+        self._watched.pop(key, None)
 
     def _pack_new(self, a):
         """One host copy (cpu) or one anonymous file (nvme) of ``a``."""

@@ -107,20 +107,26 @@ class LoRALinear(Module):
         return self.adapter.scale * (self.lora_B.data @ self.lora_A.data)
 
 
+def refuse_tied_head(targets) -> None:
+    """Raise ValueError when ``targets`` names ``lm_head``: an adapter on the head alone would untie it from
+    transformer.wte (one weight) in :func:`merged_state_dict`."""
+    if "lm_head" in targets:
+        raise ValueError(f"targets={tuple(targets)}: lm_head is tied to transformer.wte (one weight) and is not "
+                         f"adapted; allowed: the blocks' Linear names, e.g. {', '.join(TARGETS)}")
+
+
 def add_lora(model: Module, r: int, alpha: float, targets=TARGETS, base: str = "nf4", seed: int = 0,
              wrap=None) -> list:
     """Freeze ``model`` and put a :class:`LoRALinear` on every Linear named ``*targets`` (not the tied head).
 
     ``base``: "nf4" or "float". ``wrap(child, r, alpha, rng, dtype, nf4)``: the LoRALinear for a chosen child, or
     None to leave it (default :func:`wrap_linear`; tensor parallelism's shards: minizero/parallel/lora_tp.py).
-    Returns the names. Raises ValueError (before any change): unknown base, ``"lm_head"`` in ``targets``, or no
-    Linear matched.
+    Returns the names. Raises ValueError: unknown base or :func:`refuse_tied_head` (before any change); no Linear
+    matched (the model is frozen by then).
     """
     if base not in ("nf4", "float"):
         raise ValueError(f"unknown LoRA base {base!r}; allowed: 'nf4', 'float'")
-    if "lm_head" in targets:  # an adapter on the head alone would untie it from wte in merged_state_dict
-        raise ValueError(f"targets={tuple(targets)}: lm_head is tied to transformer.wte (one weight) and is not "
-                         f"adapted; allowed: the blocks' Linear names, e.g. {', '.join(TARGETS)}")
+    refuse_tied_head(targets)
     for p in model.parameters():
         p.requires_grad = False
     rng, dtype, wrap = np.random.default_rng(seed), model.config.dtype, wrap or wrap_linear

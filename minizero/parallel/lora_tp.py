@@ -25,7 +25,7 @@ from minizero import backend
 from minizero.autograd import functional as F
 from minizero.comm.collectives import all_gather
 from minizero.nf4 import NF4Shard, block_absmax, shard_runs, tensor_parallel_sizes
-from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, wrap_linear
+from minizero.nn.lora import TARGETS, LoRAAdapter, LoRALinear, NF4Linear, add_lora, refuse_tied_head, wrap_linear
 from minizero.nn.module import Module, Parameter
 from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, mark_shard,
                                                copy_to_tensor_parallel_region, is_tensor_parallel_duplicate,
@@ -162,7 +162,9 @@ def tensor_parallel_lora(model: Module, comm, r: int, alpha: float, targets=TARG
                          seed: int = 0) -> list:
     """Split ``model``'s blocks over the tensor group ``comm`` (:func:`tensor_parallelize`), then adapt its shards
     (:func:`add_lora` with :class:`TensorParallelWrap`). Returns the adapted names.
-    Raises ValueError: tp does not divide the heads or hidden sizes, or :func:`nf4_shard_refusal` (``base`` nf4)."""
+    Raises ValueError (before the split): ``lm_head`` in ``targets``, tp does not divide the heads or hidden sizes, or
+    :func:`nf4_shard_refusal` (``base`` nf4)."""
+    refuse_tied_head(targets)  # add_lora's refusal, which would come after the split
     refusal = nf4_shard_refusal(model.config, comm.world_size, targets) if base == "nf4" else None
     if refusal:
         raise ValueError(refusal)
