@@ -117,9 +117,9 @@ def test_tensor_groups_stay_on_a_host_and_only_gradients_cross(mpiexec, tmp_path
     assert "each tensor-parallel group stays inside one node, a data-parallel group spans up to 2 nodes" in said, out
     assert "warning: tensor group" not in said, out
     assert "tensor group [0, 1]  on node 0" in out and "tensor group [2, 3]  on node 1" in out
-    assert _field(r"tp +\(2 rank\(s\) each\): 1 node\(s\), +\S+ \S+, +(\S+ \S+)", out) == "0 B"
-    dp_across = _field(r"dp +\(2 rank\(s\) each\): 2 node\(s\), +\S+ \S+, +(\S+ \S+)", out)
-    dp_sent = _field(r"dp +\(2 rank\(s\) each\): 2 node\(s\), +(\S+ \S+),", out)
+    assert _field(r"tp +\(2 ranks each\): 1 node, +\S+ \S+, +(\S+ \S+)", out) == "0 B"
+    dp_across = _field(r"dp +\(2 ranks each\): 2 nodes, +\S+ \S+, +(\S+ \S+)", out)
+    dp_sent = _field(r"dp +\(2 ranks each\): 2 nodes, +(\S+ \S+),", out)
     assert dp_across == dp_sent != "0 B"  # every data-group byte crosses: one rank per host
     assert _field(r"across nodes = tp (\S+ \S+) \+", out) == "0 B"
     assert _field(r"\+ dp (\S+ \S+) \+", out) == dp_across
