@@ -892,6 +892,9 @@ def test_a_resume_names_a_flag_only_where_the_user_gave_it(saved):
     assert run_in_threads(1, resume, [], timeout=60) == [2]
     said = " ".join(" ".join(logs).split())  # lines wrapped at 100 columns
     assert "--batch-size 2" not in said, logs
+    assert ("note: --steps 3 differs from the checkpoint's 2: the continuation is not the uninterrupted run's; the "
+            "learning rate follows the cosine over the new --steps from here, so it can rise again") in said, logs
+    # before: a longer --steps raised the learning rate again without a word
     assert ("note: global batch 2 (micro-batch size 2 x 1 data rank(s) x grad-accum 1, --batch-size not given) "
             "differs from the checkpoint's 4") in said, logs
     logs.clear()

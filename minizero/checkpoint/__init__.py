@@ -110,7 +110,9 @@ class Checkpointer:
             if key in man["train"] and was != now:  # absent in older manifests: unknown
                 said = _derived(self.args, key) if key in self.args.derived else _as_typed(key, now)
                 lines.append(f"note: {said} differs from the checkpoint's {_as_typed(key, was, False)}: "
-                             "the continuation is not the uninterrupted run's")
+                             "the continuation is not the uninterrupted run's" + (
+                                 "; the learning rate follows the cosine over the new --steps from here, so it can "
+                                 "rise again" if key == "steps" else ""))
         was = man["model"].get("dropout", 0.0)
         if self.cfg.dropout != was:  # --dropout, or the --model preset's when not given (it was silent)
             said = f"--dropout {self.cfg.dropout}" if self.args.dropout is not None else \
