@@ -124,9 +124,9 @@ def pipeline_line(args, p: int) -> str:
     """The header's pipeline line over ``p`` stages: the simulated bubble, the closed form with the run's numbers."""
     m, v = args.grad_accum, args.virtual_stages
     sched = make_schedule(args.schedule, p, m, v)
-    formula = (" (simulated, F = B = W)" if args.schedule.startswith("zb") else
-               f" (simulated) = (p-1)/({'v m' if v > 1 else 'm'}+p-1) = ({p}-1)/({f'{v}x{m}' if v > 1 else m}"
-               f"+{p}-1)")
+    closed = f"(p-1)/({'v m' if v > 1 else 'm'}+p-1) = ({p}-1)/({f'{v}x{m}' if v > 1 else m}+{p}-1)"
+    formula = (" (idle share of the schedule, F = B = W)" if args.schedule.startswith("zb") else
+               f" (idle share of the schedule) = {closed}")
     return (f"pipeline: {args.schedule}, {m} micro-batches, bubble {bubble_fraction(simulate(sched)):.3f}"
             f"{formula}"
             f"{f' ({v} virtual stages)' if v > 1 else ''}, micro-batches in flight per stage "

@@ -484,7 +484,8 @@ def test_cli_tp2_pp2_writes_the_whole_model_and_the_mesh(mpiexec, tmp_path):
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dp 1 x tp 2 x pp 2" in proc.stdout
-    assert "bubble 0.200 (simulated) = (p-1)/(m+p-1) = (2-1)/(4+2-1)" in " ".join(proc.stdout.split())  # wrapped
+    said = " ".join(proc.stdout.split())  # wrapped
+    assert "bubble 0.200 (idle share of the schedule) = (p-1)/(m+p-1) = (2-1)/(4+2-1)" in said
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["dp"], summary["tp"], summary["pp"], summary["micro_batches"]) == (1, 2, 2, 4)
     weights = np.load(out / "model.npz")
