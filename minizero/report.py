@@ -46,6 +46,12 @@ KIND_LABELS = {"gradient_reduction": "gradient reduction",
 NO_PLOTS = "matplotlib is not installed, so neither loss.png nor memory.png was drawn (pip install matplotlib)"
 
 
+PIPELINE_NOTE = textwrap.fill(
+    "(pipeline: a stage's modules hold the saves of every micro-batch it has in flight at once, the header's "
+    "'micro-batches in flight per stage': under 1F1B the first stage's modules show the most bytes)", 100,
+    initial_indent="  ", subsequent_indent="    ")
+
+
 def recompute_note(mode: str, every: int, n_blocks: int) -> str:
     """The hotspots' footnote under ``--recompute`` (memory/recompute.py wraps blocks 0, K, 2K, ... of a stage's
     ``n_blocks``: those named, never one past the last; it said "blocks 0, 7, 14, ..." of 2)."""
@@ -213,6 +219,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     print("\n".join(mem_lines))
     if mem_lines and args.recompute != "none":  # the hotspots' bytes exist only inside backward, one unit at a time
         print(recompute_note(args.recompute, args.recompute_every, cfg.n_layer // args.pp))
+    if mem_lines and args.pp > 1:  # stage 0's hotspots were twice stage 1's under 1F1B, without a word
+        print(PIPELINE_NOTE)
     if args.no_save:
         _print_sample(args, sample_text(model, args.prompt, args.sample_tokens, SAMPLE_TEMPERATURE, seed=args.seed))
         return

@@ -486,6 +486,7 @@ def test_cli_tp2_pp2_writes_the_whole_model_and_the_mesh(mpiexec, tmp_path):
     assert "dp 1 x tp 2 x pp 2" in proc.stdout
     said = " ".join(proc.stdout.split())  # wrapped
     assert "bubble 0.200 (idle share of the schedule) = (p-1)/(m+p-1) = (2-1)/(4+2-1)" in said
+    assert "(pipeline: a stage's modules hold the saves of every micro-batch it has in flight at once" in said
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["dp"], summary["tp"], summary["pp"], summary["micro_batches"]) == (1, 2, 2, 4)
     weights = np.load(out / "model.npz")
