@@ -64,9 +64,11 @@ def loss_figure(plt, train_losses, val_history, skipped_at=(), title: str = "", 
     if len(skipped_at):
         ax.plot([s + 1 for s in skipped_at], [train_losses[s - first_step] for s in skipped_at], "x", color="red",
                 label="step skipped (fp16 overflow)")
-    ax.axhline(math.log(256), color="0.5", linewidth=0.8, linestyle=":")
-    ax.text(first_step + len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
-            va="bottom", fontsize=7, color="0.4")
+    highest = max([*train_losses, *(loss for _, loss in val_history)], default=0.0)
+    if highest > 0.75 * math.log(256):  # a run from scratch; a resumed run's curve sat in the axis's bottom 15%
+        ax.axhline(math.log(256), color="0.5", linewidth=0.8, linestyle=":")
+        ax.text(first_step + len(train_losses), math.log(256), "ln 256: a uniform guess over 256 bytes", ha="right",
+                va="bottom", fontsize=7, color="0.4")
     ax.set_xlabel("optimizer step")
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers: no tick at 2.5
     ax.set_ylabel("loss (nats per byte)")

@@ -114,6 +114,12 @@ def test_loss_figure_speaks_nats_per_byte_and_marks_a_uniform_guess(tmp_path):
     finally:
         plt.close(fig)
     assert plot_losses(str(tmp_path / "loss.png"), losses, []) == f"wrote {tmp_path / 'loss.png'}"
+    fig = loss_figure(plt, list(np.linspace(2.7, 2.4, 50)), [(100, 2.67), (150, 2.5)], first_step=100)  # resumed
+    try:  # before: the ln 256 line stretched the axis to 5.6 and the curve sat in its bottom 15%
+        assert not any(list(line.get_ydata()) == [math.log(256)] * 2 for line in fig.axes[0].get_lines())
+        assert fig.axes[0].get_ylim()[1] < 3.0
+    finally:
+        plt.close(fig)
 
 
 def test_compare_png_axis_holds_every_bar_and_marker(tmp_path, monkeypatch):
