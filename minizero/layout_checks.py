@@ -139,10 +139,12 @@ def check_context_parallel(args, cfg) -> None:
     t, tp, ulysses = args.block_size or cfg.block_size, args.tp or 1, args.cp_attention == "ulysses"
     heads = cfg.n_head // tp  # tp None: not derived yet (check_cp_world)
     ok = ", ".join(str(k) for k in range(2, t // 2 + 1) if t % (2 * k) == 0 and (heads % k == 0 or not ulysses))
-    ok = ok or "none"
     if t % (2 * cp):
+        fits = t - t % (2 * cp) or 2 * cp  # the nearest length at or below t that splits (t < 2 cp: 2 cp itself)
         raise ValueError(f"{cp_flag(args)} needs the context length {t} divisible by 2 x cp = {2 * cp} (two chunks "
-                         f"per rank); allowed: {ok} (or change --block-size)")
+                         f"per rank); allowed: " + (f"{ok} (or change --block-size)" if ok else
+                                                    f"no cp at length {t}: give --block-size {fits}, say"))
+    ok = ok or "none"
     if ulysses and heads % cp:
         said = cp_flag(args) + (" --cp-attention ulysses" if args.ulysses is None else "")
         raise ValueError(f"{said} needs the {heads} attention heads per tensor rank (n_head {cfg.n_head} / --tp "

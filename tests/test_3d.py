@@ -282,6 +282,8 @@ def test_sizes_in_one_process_name_the_launch(argv, needle):
     (8, ["--cp", "3"], "--cp 3 needs the context length 128 divisible by 2 x cp = 6 (two chunks per rank); allowed: "
      "2, 4, 8, 16, 32, 64 (or change --block-size)"),
     (8, ["--ulysses", "3"], "2 x cp = 6 (two chunks per rank); allowed: 2, 4 (or change --block-size)"),
+    (2, ["--cp", "2", "--block-size", "15"], "(two chunks per rank); allowed: no cp at length 15: give --block-size 12, "
+     "say"),  # before: "allowed: none (or change --block-size)"
     (2, ["--model", "tiny", "--ulysses", "4"], "divisible by cp = 4: the all-to-all splits heads; allowed: 2"),
     (8, ["--moe-experts", "4", "--ep", "3"], "--moe-experts 4 must be divisible by --ep 3 (each expert-parallel rank "
      "holds E/ep); allowed: 1, 2, 4")])
