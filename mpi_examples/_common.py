@@ -1,10 +1,21 @@
-"""What every example shares: the rank-count check and printing whole lines in rank order.
+"""What every example shares: its flag parser, the rank-count check and printing whole lines in rank order.
 
 Not an example itself (the leading underscore keeps it out of ``mpi_examples/*.py`` runs).
 """
 import sys
 
 import numpy as np
+
+
+def example_parser(doc: str):
+    """The example's argparse parser: its refusals are one ``EXAMPLE: error: ...`` line (status 2), and ``--help``
+    and the refusals are printed by launched rank 0 alone (every rank parses the same flags and exits alike; under
+    mpirun each rank printed its own usage block and error). MPI need not be started yet."""
+    from minizero.launcher import launched_rank, launcher_connected
+    from minizero.numerals import OneLineParser
+    parser = OneLineParser(description=doc.split("\n\n")[0])
+    parser.quiet = launched_rank() != 0 and launcher_connected()  # a stale PMI_RANK in a shell: not quiet
+    return parser
 
 
 def require_ranks(comm, ok: bool, need: str, example: str) -> None:

@@ -15,7 +15,6 @@ loss and validation all-reduces). Lessons 03-05 explain each row:
   On NumPy host memory is device memory, so the process peak does not fall;
 * offload nvme (lesson 05): the same bytes go to anonymous files; the process peak falls.
 """
-import argparse
 import gc
 import os
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from _common import require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
+from _common import example_parser, require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import MemoryLedger, set_ledger  # noqa: E402
 from minizero.numerals import integer  # noqa: E402
 from minizero.zero import gather_figures  # noqa: E402
@@ -62,7 +61,7 @@ def measure(comm, argv: list[str]) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--model", default="small", help="model preset (tiny, small, default, ...)")
     parser.add_argument("--steps", type=integer, default=3, help="optimizer steps per configuration")
     opts = parser.parse_args()

@@ -10,7 +10,6 @@ the schedule as a timeline with its bubble beside (p-1)/(m+p-1), the micro-batch
 stage held at once and its peak activation bytes (memory ledger), the bytes each rank sent,
 and the loss against the whole model's (Huang et al. 2019; Narayanan et al. 2021).
 """
-import argparse
 import os
 import sys
 
@@ -26,9 +25,9 @@ from minizero.parallel.pipeline import PipelineEngine, allreduce_tied_embedding_
 from minizero.parallel.schedule import ascii_timeline, bubble_formula, bubble_fraction, make_schedule, simulate  # noqa
 from minizero.parallel.three_d import build_stage, scratch_ledger  # noqa: E402
 from minizero.parallel.topology import Topology  # noqa: E402
-from _common import print_in_rank_order, require_ranks  # noqa: E402  (mpi_examples/_common.py)
+from _common import example_parser, print_in_rank_order, require_ranks  # noqa: E402  (mpi_examples/_common.py)
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser = example_parser(__doc__)
 parser.add_argument("--micro-batches", type=integer, default=8, help="micro-batches per optimizer step (m)")
 parser.add_argument("--verbose", action="store_true", help="print every message as an arrow")
 opts = parser.parse_args()

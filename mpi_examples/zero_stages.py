@@ -19,7 +19,6 @@ is minizero's count (stage 2 reduce-scatters once per micro-batch, stage 3 gathe
 reduce-scatters once per micro-batch). The measured bytes exceed the formula only by the
 padding (each flat unit is padded to a multiple of N).
 """
-import argparse
 import gc
 import os
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from minizero.comm import world  # noqa: E402
-from _common import require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
+from _common import example_parser, require_ranks, train_args  # noqa: E402  (mpi_examples/_common.py)
 from minizero.ledger import get_ledger  # noqa: E402
 from minizero.numerals import integer  # noqa: E402
 from minizero.zero import ShardMap, gather_figures, model_state_formula, traffic_formula  # noqa: E402
@@ -55,7 +54,7 @@ def measure(comm, args) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--model", default="small", help="model preset (tiny, small, default, ...)")
     parser.add_argument("--grad-accum", type=integer, default=1, help="micro-batches per optimizer step (M)")
     opts = parser.parse_args()

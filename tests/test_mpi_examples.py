@@ -113,13 +113,18 @@ def test_pipeline_lines_stay_within_120_columns_and_name_each_schedule_before_it
     ("zero_stages.py", ["--model", "huge"], "argument --model: invalid choice: 'huge'"),
     ("zero_stages.py", ["--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
     ("memory_compression.py", ["--model", "tiny", "--steps", "0"], "--steps must be >= 1, got 0"),
+    ("pipeline.py", ["--micro-batches", "0"], "--micro-batches must be in 1..1,024"),
+    ("zero_stages.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("memory_compression.py", ["--steps", "x"], "argument --steps: invalid int value: 'x'"),
 ])
 def test_a_flag_the_main_job_refuses_ends_the_example_in_one_line_on_every_rank(mpiexec, name, argv, said):
-    """Before: the main job's UsageError surfaced as a traceback from each rank, exit status 1."""
+    """Before: the main job's UsageError surfaced as a traceback from each rank, exit status 1; the examples' own
+    flags (argparse) printed a usage block and the error once per rank."""
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, f"mpi_examples/{name}", *argv], env=mpi_env(),
                           capture_output=True, text=True, timeout=100, cwd=REPO_ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count(f"{name}: error: {said}") == 1, proc.stderr
+    assert "usage:" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(60)
