@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="K: steps between progress log lines (default: about 15 lines per run)")
     output.add_argument("--no-progress", action="store_true", help="the same as --progress none")
     output.add_argument("--no-save", action="store_true", help="write none of the files --out holds (model.npz, "
-                        "model.json, summary.json, the plots, flight/)")
+                        "model.json, summary.json, the plots, flight/); --save-every's checkpoints are still written")
     debug.add_argument("--tracemalloc", action="store_true",
                        help="measure the process peak with tracemalloc (every NumPy allocation over the training "
                             "steps; slower: every allocation is traced); default: peak RSS from getrusage, free")
