@@ -819,3 +819,36 @@ def test_debug_collectives_checks_the_context_and_expert_groups(name, members):
     msg = str(e.value)
     assert f"] group {name} {members}: rank " in msg, msg  # prefixed by the raising rank: [rank 3/4]
     assert "all_reduce #1 (shape (2,), float64, 16 bytes)" in msg and "all_reduce #1 (shape (3,)" in msg, msg
+
+
+def _entry(group, seq, op, state, posted_us):
+    return {"group": group, "seq": seq, "op": op, "shape": [2], "dtype": "float64", "bytes": 16, "state": state,
+            "posted_us": posted_us, "ended_us": None, "error": None}
+
+
+def test_hang_names_the_earliest_pending_sequence_and_the_last_operation_every_rank_completed():
+    """Rank 1 got past broadcast #2 (it was the root) and waits in #3; rank 0 still waits in #2: #2 is the cause,
+    and the last operation both completed is #1, not rank 1's #2."""
+    world = {"world": {"members": [0, 1], "last_seq": 3}}
+    snaps = {0: {"rank": 0, "world_size": 2, "reason": "x", "groups": {"world": {"members": [0, 1], "last_seq": 2}},
+                 "entries": [_entry("world", 1, "all_reduce", "completed", 1),
+                             _entry("world", 2, "broadcast", "started", 2)]},
+             1: {"rank": 1, "world_size": 2, "reason": "x", "groups": world,
+                 "entries": [_entry("world", 1, "all_reduce", "completed", 1),
+                             _entry("world", 2, "broadcast", "completed", 2),
+                             _entry("world", 3, "all_gather", "started", 3)]}}
+    assert hang.analyze(snaps) == [
+        "hang: group world [0, 1]: rank(s) [0] wait in broadcast #2 (shape (2,), float64, 16 bytes) [started]; "
+        "every rank posted #2: look for the rank that waits elsewhere (another group's line)",
+        "last: group world [0, 1]: the last operation every rank completed is all_reduce #1 (shape (2,), float64, "
+        "16 bytes)"]
+
+
+def test_hangs_of_two_groups_are_ordered_by_when_their_operation_was_posted_not_by_group_name():
+    """Group b's all_reduce was posted first (10 us) and group a's later (50 us): b's hang is the likely cause."""
+    groups = {"a": {"members": [0, 1], "last_seq": 1}, "b": {"members": [0, 1], "last_seq": 1}}
+    snaps = {r: {"rank": r, "world_size": 2, "reason": "x", "groups": groups,
+                 "entries": [_entry("a", 1, "all_reduce", "started", 50), _entry("b", 1, "all_gather", "started", 10)]}
+             for r in (0, 1)}
+    found = [ln.split(":")[1] for ln in hang.analyze(snaps) if ln.startswith("hang:")]
+    assert found == [" group b [0, 1]", " group a [0, 1]"]
