@@ -333,3 +333,21 @@ def test_low_precision_linears_per_module_equal_the_formula_terms(precision):
         assert [r[3] for r in rows] == [r[2] for r in rows], rows
     with pytest.raises(ValueError, match="precision 'fp13' is not one of"):
         layer_terms(cfg, cfg.block_size, b, precision="fp13")
+
+
+def test_a_freed_array_leaves_every_enclosing_scope_and_a_later_one_peaks_alone():
+    """Free then allocate: the inclusive rows of "a.b"'s enclosing scopes fall back to 0 on the free, so a later
+    80-byte array under "a.c" leaves "a" at its 144-byte peak, not 224 bytes alive at once."""
+    led = MemoryLedger()
+    led.push_scope("a.b")
+    x = np.zeros(18)
+    led.track(x, "activations")
+    led.pop_scope()
+    del x
+    led.push_scope("a.c")
+    y = np.zeros(10)
+    led.track(y, "activations")
+    led.pop_scope()
+    assert led.modules("activations", inclusive=True) == {"a.b": (0, 144), "a": (80, 144), "": (80, 144),
+                                                         "a.c": (80, 80)}
+    assert (led.current["activations"], led.peak["activations"], led.peak_total) == (80, 144, 144)
