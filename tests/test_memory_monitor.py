@@ -351,3 +351,23 @@ def test_a_freed_array_leaves_every_enclosing_scope_and_a_later_one_peaks_alone(
     assert led.modules("activations", inclusive=True) == {"a.b": (0, 144), "a": (80, 144), "": (80, 144),
                                                          "a.c": (80, 80)}
     assert (led.current["activations"], led.peak["activations"], led.peak_total) == (80, 144, 144)
+
+
+def test_the_live_text_gives_the_max_over_ranks_of_current_and_of_peak_each():
+    """Rank 1 holds more now (2 KiB against 1 KiB), rank 0 peaked higher (8 KiB): each figure is its own rank's."""
+    from minizero.memory.monitor import MemoryMonitor
+    from minizero.nn.module import Linear
+
+    def fn(comm):
+        monitor = MemoryMonitor(Linear(2, 2), every=1, total=1)
+        led = set_ledger(MemoryLedger())
+        held = np.zeros(128 * (1 + comm.rank))
+        led.track(held, "activations")
+        if comm.rank == 0:
+            led.track_temporary(np.zeros(896), "activations")
+        monitor.begin_step()
+        text = monitor.end_step(comm, 0)
+        monitor.close()
+        return text
+
+    assert run_in_threads(2, fn)[0].splitlines()[0] == "mem 2.00 KiB, peak 8.00 KiB"
