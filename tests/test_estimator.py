@@ -600,3 +600,17 @@ def test_stage_layers_are_the_blocks_the_interleaved_trainer_puts_on_each_rank(n
     for stage in range(pp):
         want = [layer for layer in range(n_layer) if rank_of_layer(n_layer, pp, v, layer) == stage]
         assert sorted(E.stage_layers(cfg, st, stage)) == want, stage
+
+
+def test_paper_pipeline_buffers_are_two_activations_split_by_t_under_sequence_parallelism():
+    """Paper accounting, p > 1: a receive buffer for forward's activation and one for backward's gradient, each
+    (b, s, h) in 2-byte elements, the sequence split by t = 2 (not by p = 4), on every stage."""
+    m, st = get_model("llama2-7b"), Strategy(tp=2, pp=4, sequence_parallel=True, micro_batches=4)
+    assert [estimate_memory(m, st, 4096, stage=i).comm_buffers for i in range(4)] == [2 * 2 * 4096 * 4096 // 2] * 4
+
+
+def test_without_a_stage_the_estimate_is_the_fullest_stage_s_even_when_it_is_the_last():
+    """One micro-batch on two stages: both keep one in flight, the last also the logits, so it is the fullest."""
+    m, st = get_model("llama2-7b"), Strategy(pp=2, micro_batches=1)
+    first, last = (estimate_memory(m, st, 4096, stage=i) for i in range(2))
+    assert last.total > first.total and estimate_memory(m, st, 4096) == last
