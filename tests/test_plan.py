@@ -515,3 +515,20 @@ def test_why_line_of_rows_training_different_batches_compares_tokens_not_seconds
     line = " ".join(out.split("why:")[1].split())
     assert "#1 beats #2 by 3.1% tokens/s: it trains 2x #2's tokens per step (m rounds the global batch up)" in line
     assert "s per step)" not in line and "outweigh" not in line, line
+
+
+def test_a_strategy_using_exactly_the_gpu_s_memory_fits():
+    """The planner's limit is "at most hw.gpu_memory": a GPU of exactly the smallest footprint runs that strategy."""
+    import dataclasses
+
+    from minizero.plan_search import Hardware, plan
+    m, hw = get_model("llama2-7b"), Hardware()
+    _, _, (smallest, device, host) = plan(m, 2, hw, 4096)
+    fits, _, _ = plan(m, 2, dataclasses.replace(hw, gpu_memory=device), 4096)
+    assert [(c.strategy, c.memory.total, c.host) for c in fits] == [(smallest, device, host)]
+
+
+def test_the_interleaved_schedule_rounds_micro_batches_up_to_a_multiple_of_the_stages():
+    from minizero.plan_search import micro_batches
+    assert [micro_batches(5, 1, 1, s, 4) for s in ("interleaved", "1f1b")] == [8, 5]
+    assert micro_batches(16, 2, 2, "interleaved", 4) == 4  # ceil(16 / (2 x 2)) = 4, a multiple of 4 already
