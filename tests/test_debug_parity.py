@@ -175,3 +175,19 @@ def test_compare_reads_the_gradient_norm_nan_on_both_sides_small_values_and_the_
         "differ: first at step 2: training loss nan (A) vs nan (B), gradient norm 0.5 vs 0.500001 (relative "
         "difference 1e-06 > 1e-10)",
         "differ: after 2 steps the first parameter beyond 1e-10 is 'b.w' (3,): relative difference 1e-06 at index (0,)"]
+
+
+def test_a_run_that_diverged_to_nan_or_inf_differs_from_one_that_did_not():
+    """Before: NaN - x is NaN and NaN > tol is False, so a layout whose loss, norm and weights went NaN was called
+    "same" as one that trained on (and an inf loss against a finite one too)."""
+    w = np.array([[1.0, 2.0], [3.0, 4.0]])
+    good = {"loss": [2.0, 1.5], "norm": [1.0, 0.4], "params": {"a.w": w}}
+    bad = {"loss": [2.0, float("nan")], "norm": [1.0, float("inf")], "params": {"a.w": np.where(w > 2, np.nan, w)}}
+    assert compare(good, bad) == [
+        "differ: first at step 2: training loss 1.5 (A) vs nan (B), gradient norm 0.4 vs inf (relative difference "
+        "inf > 1e-10)",
+        "differ: after 2 steps the first parameter beyond 1e-10 is 'a.w' (2, 2): relative difference inf at index "
+        "(1, 0)"]
+    assert compare(bad, good)[0].startswith("differ: first at step 2: training loss nan (A) vs 1.5 (B)")
+    inf = dict(good, loss=[2.0, float("inf")], norm=[1.0, 0.4])
+    assert compare(inf, inf)[0].startswith("same: 2 steps") and compare(good, inf)[0].startswith("differ: first at")
