@@ -852,3 +852,17 @@ def test_hangs_of_two_groups_are_ordered_by_when_their_operation_was_posted_not_
              for r in (0, 1)}
     found = [ln.split(":")[1] for ln in hang.analyze(snaps) if ln.startswith("hang:")]
     assert found == [" group b [0, 1]", " group a [0, 1]"]
+
+
+def test_trace_other_counts_time_under_two_lanes_once_and_the_waiter_names_the_stage_waited_for_most():
+    """Compute 0-1 ms and 2-3 ms, an all-reduce 0.5-1.5 ms over the first: busy 2.5 ms of 3, other 0.5 (not 0).
+    Rank 1 waits 0.5 ms for stage 2 and 2 ms for stage 0: stage 0 is named."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "all_reduce", "comm", 1, 500, 1000),
+              _ev(0, "optimizer", "optimizer", 0, 2000, 1000),
+              _ev(1, "forward h.0", "forward", 0, 0, 500), _ev(1, "recv act mb0", "comm", 1, 500, 500, peer=2),
+              _ev(1, "recv grad mb0", "comm", 1, 1000, 2000, peer=0), _ev(1, "optimizer", "optimizer", 0, 3000, 500)]
+    f0 = timeline.rank_figures(events, 0)
+    assert (f0["step"], f0["compute"], f0["exposed"], f0["other"]) == (3.0, 2.0, 1.0, 0.5)
+    assert timeline.rank_figures(events, 1)["waited_on"] == {2: 0.5, 0: 2.0}
+    assert timeline.report(events)[-1].endswith("most of it waiting for pipeline stage 0)")
