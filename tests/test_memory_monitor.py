@@ -371,3 +371,17 @@ def test_the_live_text_gives_the_max_over_ranks_of_current_and_of_peak_each():
         return text
 
     assert run_in_threads(2, fn)[0].splitlines()[0] == "mem 2.00 KiB, peak 8.00 KiB"
+
+
+def test_reset_peaks_starts_every_module_row_at_what_is_alive_now():
+    led = MemoryLedger()
+    led.push_scope("a.b")
+    x, y = np.zeros(18), np.zeros(4)
+    led.track(x, "activations")
+    led.track(y, "activations")
+    led.pop_scope()
+    del x
+    led.reset_peaks()
+    assert led.modules("activations") == {"a.b": (32, 32)}
+    assert led.modules("activations", inclusive=True) == {"a.b": (32, 32), "a": (32, 32), "": (32, 32)}
+    assert (led.peak["activations"], led.peak_total, led.window_peak) == (32, 32, 32)
