@@ -180,3 +180,25 @@ def test_under_fp16_the_first_finding_of_a_step_stays_though_backward_meets_the_
         loss.backward()
     assert any(p.grad is not None and not np.isfinite(p.grad).all() for p in model.parameters())
     assert detector.finding.startswith("rank 0 step 1: forward of module 'transformer.h.1.mlp.c_fc'"), detector.finding
+
+
+def test_a_module_fed_by_its_parents_own_overflow_is_not_named_its_parent_is():
+    """The parent's own arithmetic (x * 1e308) makes the inf that its child Linear then meets: the child's inputs
+    were already non-finite, so the first module that made non-finite values from finite inputs is the parent."""
+    from minizero.autograd.engine import Tensor
+    from minizero.nn.module import Linear, Module
+
+    class Parent(Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Linear(2, 2, dtype="float64", rng=np.random.default_rng(0))
+
+        def forward(self, x):
+            return self.child(x * 1e308)
+
+    model = Parent()
+    detector = AnomalyDetector(model, rank=0)
+    detector.on_step_start(None, 0)
+    with pytest.raises(AnomalyError, match=r"^rank 0 step 1: forward of module 'Parent' \(Parent\) made non-finite"):
+        with np.errstate(all="ignore"):
+            model(Tensor(np.full((1, 2), 10.0)))
