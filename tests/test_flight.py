@@ -866,3 +866,12 @@ def test_trace_other_counts_time_under_two_lanes_once_and_the_waiter_names_the_s
     assert (f0["step"], f0["compute"], f0["exposed"], f0["other"]) == (3.0, 2.0, 1.0, 0.5)
     assert timeline.rank_figures(events, 1)["waited_on"] == {2: 0.5, 0: 2.0}
     assert timeline.report(events)[-1].endswith("most of it waiting for pipeline stage 0)")
+
+
+def test_a_cut_short_file_of_another_run_is_not_taken_for_this_runs_rank(tmp_path):
+    """rank_1.json.tmp whose start names run B beside run A's rank_0.json says nothing of run A's rank 1."""
+    FlightRecorder(run="A").dump(str(tmp_path), 0, 2, "end")
+    snaps = hang.load(str(tmp_path))
+    for run, want in (("B", {}), ("A", {1: "rank_1.json.tmp"})):
+        (tmp_path / "rank_1.json.tmp").write_text('{"rank": 1, "world_size": 2, "run": "' + run + '", "reas')
+        assert hang.cut_short(str(tmp_path), snaps) == want, run
