@@ -150,3 +150,55 @@ def test_under_zero3_a_block_s_own_overflow_is_named_though_its_weights_are_not_
         return str(e.value)
     for msg in run_in_threads(2, forward, timeout=60):
         assert "forward of module 'transformer.h.1' (Block)" in msg and "parameters in (none)" in msg, msg
+
+
+def _spikes(losses, warmup):
+    from types import SimpleNamespace
+
+    from minizero.callbacks import StepRecord
+    from minizero.debug.anomaly import LossSpikes
+    spikes = LossSpikes(_model()[0], factor=2.0, warmup=warmup)
+    run = SimpleNamespace(result=SimpleNamespace(loss_spikes=[]), log=lambda line: None)
+    for step, loss in enumerate(losses):
+        spikes.on_step_start(run, step)
+        spikes.on_step_end(run, step, StepRecord(loss, 0.0, 1.0, 1.0, 0))
+    return [(s["step"], s["running_mean"]) for s in run.result.loss_spikes]
+
+
+def test_a_loss_spike_is_compared_once_warmup_steps_are_seen_and_against_the_last_20():
+    assert _spikes([4.0, 4.0, 4.0, 9.0], warmup=3) == [(3, 4.0)]  # the 4th step: 3 losses seen, warmup 3
+    assert _spikes([100.0] * 20 + [1.0] * 20 + [3.0], warmup=1) == [(40, 1.0)]  # the first 20 fell out of the mean
+
+
+def test_under_fp16_the_first_finding_of_a_step_stays_though_backward_meets_the_inf_too():
+    model, idx = _model()
+    model.transformer.h[1].mlp.c_fc.weight.data[0, 0] = np.inf
+    detector = AnomalyDetector(model, rank=0, fp16=True)
+    detector.on_step_start(None, 0)
+    with np.errstate(all="ignore"):
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert any(p.grad is not None and not np.isfinite(p.grad).all() for p in model.parameters())
+    assert detector.finding.startswith("rank 0 step 1: forward of module 'transformer.h.1.mlp.c_fc'"), detector.finding
+
+
+def test_a_module_fed_by_its_parents_own_overflow_is_not_named_its_parent_is():
+    """The parent's own arithmetic (x * 1e308) makes the inf that its child Linear then meets: the child's inputs
+    were already non-finite, so the first module that made non-finite values from finite inputs is the parent."""
+    from minizero.autograd.engine import Tensor
+    from minizero.nn.module import Linear, Module
+
+    class Parent(Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Linear(2, 2, dtype="float64", rng=np.random.default_rng(0))
+
+        def forward(self, x):
+            return self.child(x * 1e308)
+
+    model = Parent()
+    detector = AnomalyDetector(model, rank=0)
+    detector.on_step_start(None, 0)
+    with pytest.raises(AnomalyError, match=r"^rank 0 step 1: forward of module 'Parent' \(Parent\) made non-finite"):
+        with np.errstate(all="ignore"):
+            model(Tensor(np.full((1, 2), 10.0)))

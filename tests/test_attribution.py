@@ -61,3 +61,14 @@ def test_the_root_modules_own_arrays_are_not_called_the_loss():
 
     text = format_top_modules([{"": 2048, "loss": 1024}], n=2)
     assert text.splitlines()[1] == "  r0: (top level: the root module's own forward) 2.00 KiB, loss 1.00 KiB"
+
+
+def test_block_1_holds_its_own_modules_not_block_10_s():
+    """A prefix match "transformer.h.1" would take "transformer.h.10" (and its scores) into block 1."""
+    from minizero.memory.attribution import compare_layer, layer_bytes
+
+    measured = {"h.1": 1, "h.1.mlp": 10, "h.1:scores": 100, "h.10.mlp": 1000, "h.10:scores": 10000, "h.11": 7}
+    assert layer_bytes(measured, "h.1") == 111
+    assert compare_layer(measured, "h.1", {"mlp": [("GeLU input", 10)]}) == [
+        ("h.1.mlp", "GeLU input", 10, 10), ("h.1", "(no formula row)", 0, 1),
+        ("h.1:scores", "(no formula row)", 0, 100)]

@@ -163,3 +163,31 @@ def test_the_verdict_is_printed_in_lines_of_at_most_120_columns(monkeypatch, cap
     assert parity.main("--dp 2", "--tp 2", [], 1e-10) == 0
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120 and " ".join(out.split()).startswith("same: 1 step, every loss"), out
+
+
+def test_compare_reads_the_gradient_norm_nan_on_both_sides_small_values_and_the_first_of_two_parameters():
+    w = np.ones(3)
+    a = {"loss": [2.0, float("nan")], "norm": [1e-3, 0.5], "params": {"a.w": w, "b.w": w, "c.w": w}}
+    same = dict(a, norm=[1e-3 + 1e-12, 0.5])  # 1e-12 apart: relative to max(1, |value|), not to 1e-3
+    assert compare(a, same)[0].startswith("same: 2 steps"), compare(a, same)  # NaN in both runs: alike
+    b = dict(a, norm=[1e-3, 0.5 + 1e-6], params={"a.w": w, "b.w": w + 1e-6, "c.w": w + 1e-3})
+    assert compare(a, b) == [
+        "differ: first at step 2: training loss nan (A) vs nan (B), gradient norm 0.5 vs 0.500001 (relative "
+        "difference 1e-06 > 1e-10)",
+        "differ: after 2 steps the first parameter beyond 1e-10 is 'b.w' (3,): relative difference 1e-06 at index (0,)"]
+
+
+def test_a_run_that_diverged_to_nan_or_inf_differs_from_one_that_did_not():
+    """Before: NaN - x is NaN and NaN > tol is False, so a layout whose loss, norm and weights went NaN was called
+    "same" as one that trained on (and an inf loss against a finite one too)."""
+    w = np.array([[1.0, 2.0], [3.0, 4.0]])
+    good = {"loss": [2.0, 1.5], "norm": [1.0, 0.4], "params": {"a.w": w}}
+    bad = {"loss": [2.0, float("nan")], "norm": [1.0, float("inf")], "params": {"a.w": np.where(w > 2, np.nan, w)}}
+    assert compare(good, bad) == [
+        "differ: first at step 2: training loss 1.5 (A) vs nan (B), gradient norm 0.4 vs inf (relative difference "
+        "inf > 1e-10)",
+        "differ: after 2 steps the first parameter beyond 1e-10 is 'a.w' (2, 2): relative difference inf at index "
+        "(1, 0)"]
+    assert compare(bad, good)[0].startswith("differ: first at step 2: training loss nan (A) vs 1.5 (B)")
+    inf = dict(good, loss=[2.0, float("inf")], norm=[1.0, 0.4])
+    assert compare(inf, inf)[0].startswith("same: 2 steps") and compare(good, inf)[0].startswith("differ: first at")

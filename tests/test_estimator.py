@@ -600,3 +600,34 @@ def test_stage_layers_are_the_blocks_the_interleaved_trainer_puts_on_each_rank(n
     for stage in range(pp):
         want = [layer for layer in range(n_layer) if rank_of_layer(n_layer, pp, v, layer) == stage]
         assert sorted(E.stage_layers(cfg, st, stage)) == want, stage
+
+
+def test_paper_pipeline_buffers_are_two_activations_split_by_t_under_sequence_parallelism():
+    """Paper accounting, p > 1: a receive buffer for forward's activation and one for backward's gradient, each
+    (b, s, h) in 2-byte elements, the sequence split by t = 2 (not by p = 4), on every stage."""
+    m, st = get_model("llama2-7b"), Strategy(tp=2, pp=4, sequence_parallel=True, micro_batches=4)
+    assert [estimate_memory(m, st, 4096, stage=i).comm_buffers for i in range(4)] == [2 * 2 * 4096 * 4096 // 2] * 4
+
+
+def test_without_a_stage_the_estimate_is_the_fullest_stage_s_even_when_it_is_the_last():
+    """One micro-batch on two stages: both keep one in flight, the last also the logits, so it is the fullest."""
+    m, st = get_model("llama2-7b"), Strategy(pp=2, micro_batches=1)
+    first, last = (estimate_memory(m, st, 4096, stage=i) for i in range(2))
+    assert last.total > first.total and estimate_memory(m, st, 4096) == last
+
+
+def test_attention_parameters_by_hand_for_mla_and_for_grouped_query_attention_with_biases():
+    """DeepSeek-V3's MLA: W^DQ 7168x1536 and its norm 1536, W^DKV+W^KR 7168x(512+64) and its norm 512 replicated;
+    W^UQ 1536x128(128+64), W^UK/W^UV 512x2x128x128, W^O 128x128x7168 split. GQA with biases (h 8, 4 heads, 2 KV
+    heads: K and V 4 wide): Wq, Wo 8x8, Wk, Wv 8x4, biases 8 + 4 + 4 split, the output bias 8 replicated."""
+    import dataclasses
+
+    assert get_model("deepseek-v3").attention_parameters() == (
+        1536 * 128 * 192 + 512 * 2 * 128 * 128 + 128 * 128 * 7168, 7168 * 1536 + 1536 + 7168 * 576 + 512)
+    gqa = dataclasses.replace(get_model("llama2-7b"), hidden=8, n_head=4, n_kv_head=2, bias=True)
+    assert gqa.attention_parameters() == (2 * 64 + 2 * 32 + 16, 8)
+
+
+def test_expert_capacity_rounds_up():
+    """ceil(1.0 x 100 tokens x top-8 / 256 experts) = ceil(3.125) = 4 slots, as the router's (parallel/moe.py)."""
+    assert get_model("deepseek-v3").capacity(100) == 4

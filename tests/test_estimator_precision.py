@@ -158,3 +158,12 @@ def test_the_planner_plans_a_qlora_fine_tune(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "llama3-8b", "--gpus", "2", "--finetune", "qlora", "--strategy", "dp2"])
     assert "--strategy does not apply" in capsys.readouterr().err
+
+
+def test_lora_gradients_are_sharded_from_zero_2_and_padded_units_from_zero_1():
+    """tiny, r 8, float64: a layer's adapters 8 (16 + 48) + 8 (16 + 16) + 8 (16 + 64) + 8 (64 + 16) = 2048; over 3
+    ranks each unit pads to 513 + 258 + 642 + 642 = 2055, a shard holds 171 + 86 + 214 + 214 = 685; 2 layers.
+    ZeRO-1 keeps every (padded) gradient, ZeRO-2 and 3 a shard's."""
+    from minizero.memory.estimator import lora_state_bytes
+    grads = [lora_state_bytes(get_config("tiny"), 8, element=8, dp=3, zero=z)["gradients"] for z in range(4)]
+    assert grads == [8 * 2 * 2048, 8 * 2 * 2055, 8 * 2 * 685, 8 * 2 * 685]

@@ -819,3 +819,59 @@ def test_debug_collectives_checks_the_context_and_expert_groups(name, members):
     msg = str(e.value)
     assert f"] group {name} {members}: rank " in msg, msg  # prefixed by the raising rank: [rank 3/4]
     assert "all_reduce #1 (shape (2,), float64, 16 bytes)" in msg and "all_reduce #1 (shape (3,)" in msg, msg
+
+
+def _entry(group, seq, op, state, posted_us):
+    return {"group": group, "seq": seq, "op": op, "shape": [2], "dtype": "float64", "bytes": 16, "state": state,
+            "posted_us": posted_us, "ended_us": None, "error": None}
+
+
+def test_hang_names_the_earliest_pending_sequence_and_the_last_operation_every_rank_completed():
+    """Rank 1 got past broadcast #2 (it was the root) and waits in #3; rank 0 still waits in #2: #2 is the cause,
+    and the last operation both completed is #1, not rank 1's #2."""
+    world = {"world": {"members": [0, 1], "last_seq": 3}}
+    snaps = {0: {"rank": 0, "world_size": 2, "reason": "x", "groups": {"world": {"members": [0, 1], "last_seq": 2}},
+                 "entries": [_entry("world", 1, "all_reduce", "completed", 1),
+                             _entry("world", 2, "broadcast", "started", 2)]},
+             1: {"rank": 1, "world_size": 2, "reason": "x", "groups": world,
+                 "entries": [_entry("world", 1, "all_reduce", "completed", 1),
+                             _entry("world", 2, "broadcast", "completed", 2),
+                             _entry("world", 3, "all_gather", "started", 3)]}}
+    assert hang.analyze(snaps) == [
+        "hang: group world [0, 1]: rank(s) [0] wait in broadcast #2 (shape (2,), float64, 16 bytes) [started]; "
+        "every rank posted #2: look for the rank that waits elsewhere (another group's line)",
+        "last: group world [0, 1]: the last operation every rank completed is all_reduce #1 (shape (2,), float64, "
+        "16 bytes)"]
+
+
+def test_hangs_of_two_groups_are_ordered_by_when_their_operation_was_posted_not_by_group_name():
+    """Group b's all_reduce was posted first (10 us) and group a's later (50 us): b's hang is the likely cause."""
+    groups = {"a": {"members": [0, 1], "last_seq": 1}, "b": {"members": [0, 1], "last_seq": 1}}
+    snaps = {r: {"rank": r, "world_size": 2, "reason": "x", "groups": groups,
+                 "entries": [_entry("a", 1, "all_reduce", "started", 50), _entry("b", 1, "all_gather", "started", 10)]}
+             for r in (0, 1)}
+    found = [ln.split(":")[1] for ln in hang.analyze(snaps) if ln.startswith("hang:")]
+    assert found == [" group b [0, 1]", " group a [0, 1]"]
+
+
+def test_trace_other_counts_time_under_two_lanes_once_and_the_waiter_names_the_stage_waited_for_most():
+    """Compute 0-1 ms and 2-3 ms, an all-reduce 0.5-1.5 ms over the first: busy 2.5 ms of 3, other 0.5 (not 0).
+    Rank 1 waits 0.5 ms for stage 2 and 2 ms for stage 0: stage 0 is named."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward h.0", "forward", 0, 0, 1000), _ev(0, "all_reduce", "comm", 1, 500, 1000),
+              _ev(0, "optimizer", "optimizer", 0, 2000, 1000),
+              _ev(1, "forward h.0", "forward", 0, 0, 500), _ev(1, "recv act mb0", "comm", 1, 500, 500, peer=2),
+              _ev(1, "recv grad mb0", "comm", 1, 1000, 2000, peer=0), _ev(1, "optimizer", "optimizer", 0, 3000, 500)]
+    f0 = timeline.rank_figures(events, 0)
+    assert (f0["step"], f0["compute"], f0["exposed"], f0["other"]) == (3.0, 2.0, 1.0, 0.5)
+    assert timeline.rank_figures(events, 1)["waited_on"] == {2: 0.5, 0: 2.0}
+    assert timeline.report(events)[-1].endswith("most of it waiting for pipeline stage 0)")
+
+
+def test_a_cut_short_file_of_another_run_is_not_taken_for_this_runs_rank(tmp_path):
+    """rank_1.json.tmp whose start names run B beside run A's rank_0.json says nothing of run A's rank 1."""
+    FlightRecorder(run="A").dump(str(tmp_path), 0, 2, "end")
+    snaps = hang.load(str(tmp_path))
+    for run, want in (("B", {}), ("A", {1: "rank_1.json.tmp"})):
+        (tmp_path / "rank_1.json.tmp").write_text('{"rank": 1, "world_size": 2, "run": "' + run + '", "reas')
+        assert hang.cut_short(str(tmp_path), snaps) == want, run

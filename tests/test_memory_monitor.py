@@ -333,3 +333,55 @@ def test_low_precision_linears_per_module_equal_the_formula_terms(precision):
         assert [r[3] for r in rows] == [r[2] for r in rows], rows
     with pytest.raises(ValueError, match="precision 'fp13' is not one of"):
         layer_terms(cfg, cfg.block_size, b, precision="fp13")
+
+
+def test_a_freed_array_leaves_every_enclosing_scope_and_a_later_one_peaks_alone():
+    """Free then allocate: the inclusive rows of "a.b"'s enclosing scopes fall back to 0 on the free, so a later
+    80-byte array under "a.c" leaves "a" at its 144-byte peak, not 224 bytes alive at once."""
+    led = MemoryLedger()
+    led.push_scope("a.b")
+    x = np.zeros(18)
+    led.track(x, "activations")
+    led.pop_scope()
+    del x
+    led.push_scope("a.c")
+    y = np.zeros(10)
+    led.track(y, "activations")
+    led.pop_scope()
+    assert led.modules("activations", inclusive=True) == {"a.b": (0, 144), "a": (80, 144), "": (80, 144),
+                                                         "a.c": (80, 80)}
+    assert (led.current["activations"], led.peak["activations"], led.peak_total) == (80, 144, 144)
+
+
+def test_the_live_text_gives_the_max_over_ranks_of_current_and_of_peak_each():
+    """Rank 1 holds more now (2 KiB against 1 KiB), rank 0 peaked higher (8 KiB): each figure is its own rank's."""
+    from minizero.memory.monitor import MemoryMonitor
+    from minizero.nn.module import Linear
+
+    def fn(comm):
+        monitor = MemoryMonitor(Linear(2, 2), every=1, total=1)
+        led = set_ledger(MemoryLedger())
+        held = np.zeros(128 * (1 + comm.rank))
+        led.track(held, "activations")
+        if comm.rank == 0:
+            led.track_temporary(np.zeros(896), "activations")
+        monitor.begin_step()
+        text = monitor.end_step(comm, 0)
+        monitor.close()
+        return text
+
+    assert run_in_threads(2, fn)[0].splitlines()[0] == "mem 2.00 KiB, peak 8.00 KiB"
+
+
+def test_reset_peaks_starts_every_module_row_at_what_is_alive_now():
+    led = MemoryLedger()
+    led.push_scope("a.b")
+    x, y = np.zeros(18), np.zeros(4)
+    led.track(x, "activations")
+    led.track(y, "activations")
+    led.pop_scope()
+    del x
+    led.reset_peaks()
+    assert led.modules("activations") == {"a.b": (32, 32)}
+    assert led.modules("activations", inclusive=True) == {"a.b": (32, 32), "a": (32, 32), "": (32, 32)}
+    assert (led.peak["activations"], led.peak_total, led.window_peak) == (32, 32, 32)

@@ -515,3 +515,38 @@ def test_why_line_of_rows_training_different_batches_compares_tokens_not_seconds
     line = " ".join(out.split("why:")[1].split())
     assert "#1 beats #2 by 3.1% tokens/s: it trains 2x #2's tokens per step (m rounds the global batch up)" in line
     assert "s per step)" not in line and "outweigh" not in line, line
+
+
+def test_a_strategy_using_exactly_the_gpu_s_memory_fits():
+    """The planner's limit is "at most hw.gpu_memory": a GPU of exactly the smallest footprint runs that strategy."""
+    import dataclasses
+
+    from minizero.plan_search import Hardware, plan
+    m, hw = get_model("llama2-7b"), Hardware()
+    _, _, (smallest, device, host) = plan(m, 2, hw, 4096)
+    fits, _, _ = plan(m, 2, dataclasses.replace(hw, gpu_memory=device), 4096)
+    assert [(c.strategy, c.memory.total, c.host) for c in fits] == [(smallest, device, host)]
+
+
+def test_the_interleaved_schedule_rounds_micro_batches_up_to_a_multiple_of_the_stages():
+    from minizero.plan_search import micro_batches
+    assert [micro_batches(5, 1, 1, s, 4) for s in ("interleaved", "1f1b")] == [8, 5]
+    assert micro_batches(16, 2, 2, "interleaved", 4) == 4  # ceil(16 / (2 x 2)) = 4, a multiple of 4 already
+
+
+def test_context_parallel_sizes_keep_each_rank_s_chunk_divisible_by_tp():
+    """s 24 on 8 ranks, t 4: c 2 (24 in 4 chunks, 12 tokens a rank, / 4) only; c 4 leaves 6 tokens, not / 4."""
+    from minizero.plan_search import context_parallel_sizes
+    assert context_parallel_sizes(8, 24, 4) == [1, 2] and context_parallel_sizes(8, 24, 1) == [1, 2, 4]
+
+
+def test_an_expert_s_optimizer_shard_spreads_over_its_n_over_ep_holders_only():
+    """Mixtral on dp 8, ep 4: a rank holds 2 experts (32 layers x 3 matrices 4096 x 14336), sharded over the 8 / 4 = 2
+    ranks that hold them; the dense rest over all 8."""
+    from minizero.memory.estimator import Strategy
+    from minizero.memory.estimator.states import stage_parameters
+    from minizero.plan_search import _state_shard
+    m = get_model("mixtral-8x7b")
+    st = Strategy(dp=8, ep=4, zero=1).validate(m)
+    experts = 32 * 2 * 3 * 4096 * 14336
+    assert _state_shard(m, st) == (stage_parameters(m, st, 0) - experts) // 8 + experts // 2

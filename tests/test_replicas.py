@@ -7,7 +7,7 @@ import pytest
 
 from minizero.callbacks import Callback
 from minizero.comm import run_in_threads
-from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest
+from minizero.debug.replicas import ReplicaCheck, ReplicaMismatchError, check_replicas, digest, find_mismatch
 from minizero.faults import FaultInjector
 from minizero.nn.module import Linear
 from minizero.parallel.expert_parallel import is_expert
@@ -394,3 +394,14 @@ def test_a_rank_whose_fp16_loss_scale_differs_is_named():
     assert got[0].startswith("after step 2: loss scaler 'scale' differs across all ranks [0, 1]: "), got[0]
     held = re.search(r"rank\(s\) \[0\] hold ([0-9.]+) but rank\(s\) \[1\] hold ([0-9.]+) ", got[0])
     assert held and float(held[2]) == 2 * float(held[1]), got[0]  # before: two digests, and the shape (1,)
+
+
+def test_locate_names_the_first_differing_element_not_byte_of_a_float32_array():
+    def fn(comm):
+        w = np.arange(8, dtype=np.float32)
+        if comm.rank == 1:
+            w[5:] += 1
+        return find_mismatch(comm, [("w", w)], step=3, locate=True)
+
+    msg = run_in_threads(2, fn)[0]
+    assert msg.endswith(", first at element 5 (--check-replicas)"), msg

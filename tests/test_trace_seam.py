@@ -33,3 +33,16 @@ def test_a_tracer_registered_on_the_communicator_records_its_groups_too():
 @pytest.mark.timeout(60)
 def test_no_tracer_registered_records_nothing():
     assert run_in_threads(4, _ring_and_blocking, False) == [[]] * 4
+
+
+@pytest.mark.timeout(60)
+def test_an_op_span_carries_the_bytes_sent_inside_it_not_since_the_start():
+    def fn(comm):
+        comm.traffic.tracer = tracer = trace.Tracer(comm.rank)
+        for label, n in (("a", 4), ("b", 8)):
+            with comm.traffic.op(label):
+                all_reduce(comm, np.ones(n))
+        return [e["args"]["bytes"] for e in tracer.events if e["name"] in ("a", "b")], comm.traffic.by_op
+
+    for spans, by_op in run_in_threads(2, fn):
+        assert spans == [by_op["a"], by_op["b"]] and 0 < by_op["a"] < by_op["b"], (spans, by_op)

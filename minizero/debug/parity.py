@@ -110,9 +110,23 @@ def run(layout: str, common: list[str], out: str) -> dict:
 
 
 def _rel(a: float, b: float) -> float:
-    if math.isnan(a) and math.isnan(b):
+    """|a - b| / max(1, |a|); 0 for equal values (inf, NaN on both sides too), inf where one side is not finite
+    and the other differs (a run that diverged to NaN or inf against one that did not)."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
         return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
     return abs(a - b) / max(1.0, abs(a))
+
+
+def _difference(pa: np.ndarray, pb: np.ndarray) -> tuple[float, tuple]:
+    """(largest elementwise difference relative to max(1, |pa|'s finite largest), its index), by :func:`_rel`'s
+    rule: equal and NaN-against-NaN elements 0, a non-finite element against another value inf."""
+    diff = np.abs(pa - pb).astype(np.float64)
+    diff[(pa == pb) | (np.isnan(pa) & np.isnan(pb))] = 0.0
+    diff[np.isnan(diff)] = np.inf
+    at = np.unravel_index(int(np.argmax(diff)), pa.shape)
+    return float(diff[at]) / max(1.0, float(np.max(np.abs(pa[np.isfinite(pa)]), initial=0.0))), at
 
 
 def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]:
@@ -132,10 +146,10 @@ def compare(a: dict, b: dict, names=("A", "B"), tol: float = 1e-10) -> list[str]
             lines.append(f"differ: parameter {name!r} is {pa.shape} in {names[0]}, "
                          f"{None if pb is None else pb.shape} in {names[1]}")
             continue
-        d = float(np.max(np.abs(pa - pb))) / max(1.0, float(np.max(np.abs(pa)))) if pa.size else 0.0
+        d, at = _difference(pa, pb) if pa.size else (0.0, ())
         largest = (d, name) if largest[1] is None or d > largest[0] else largest  # all equal: the first, not None
         if d > tol and first is None:
-            first = (name, d, np.unravel_index(int(np.argmax(np.abs(pa - pb))), pa.shape))
+            first = (name, d, at)
     if first is not None:
         name, d, at = first
         lines.append(f"differ: after {n_steps} the first parameter beyond {tol:g} is {name!r} "
