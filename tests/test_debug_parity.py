@@ -191,3 +191,17 @@ def test_a_run_that_diverged_to_nan_or_inf_differs_from_one_that_did_not():
     assert compare(bad, good)[0].startswith("differ: first at step 2: training loss nan (A) vs 1.5 (B)")
     inf = dict(good, loss=[2.0, float("inf")], norm=[1.0, 0.4])
     assert compare(inf, inf)[0].startswith("same: 2 steps") and compare(good, inf)[0].startswith("differ: first at")
+
+
+def test_an_inf_against_an_inf_of_the_other_sign_differs_without_a_numpy_warning():
+    """Before the errstate: inf - inf printed NumPy's 'invalid value encountered in subtract' under the verdict."""
+    import warnings
+
+    import numpy as np
+
+    from minizero.debug.parity import _difference
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _difference(np.array([np.inf, 1.0]), np.array([-np.inf, 1.0])) == (np.inf, (0,))
+        assert _difference(np.array([np.inf, 1.0]), np.array([np.inf, 1.0]))[0] == 0.0

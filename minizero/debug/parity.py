@@ -122,7 +122,8 @@ def _rel(a: float, b: float) -> float:
 def _difference(pa: np.ndarray, pb: np.ndarray) -> tuple[float, tuple]:
     """(largest elementwise difference relative to max(1, |pa|'s finite largest), its index), by :func:`_rel`'s
     rule: equal and NaN-against-NaN elements 0, a non-finite element against another value inf."""
-    diff = np.abs(pa - pb).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, set below (no RuntimeWarning printed)
+        diff = np.abs(pa - pb).astype(np.float64)
     diff[(pa == pb) | (np.isnan(pa) & np.isnan(pb))] = 0.0
     diff[np.isnan(diff)] = np.inf
     at = np.unravel_index(int(np.argmax(diff)), pa.shape)
