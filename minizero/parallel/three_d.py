@@ -89,8 +89,9 @@ def gather_full_model(stage: PipelineStage, topo: Topology, cfg, root: int = 0, 
     """Collective: world rank ``root`` (at dp 0, tp 0, pp 0) assembles the whole GPT; None elsewhere.
 
     Data rank 0's ranks send a header (int64 [partition_dim, stride]) and each array; traffic ``gather_model``:
-    the model's bytes once. ``make_model``: builds the empty whole model on the root (default ``GPT(cfg)``;
-    MoE: expert_parallel.py). Raises ValueError: ``root`` is not the rank at (0, 0, 0).
+    the model's bytes once (:func:`gather_routing_biases` adds MoE's bias tables under the same label).
+    ``make_model``: builds the empty whole model on the root (default ``GPT(cfg)``; MoE: expert_parallel.py).
+    Raises ValueError: ``root`` is not the rank at (0, 0, 0).
     """
     comm = topo.world
     if root != topo.rank_of(0, 0, 0):
