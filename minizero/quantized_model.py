@@ -21,10 +21,10 @@ class QuantizedLinear(Module):
 
     Args:
         weight: :class:`~minizero.quantization.QuantizedTensor` of shape (out, in).
-        bias: the FP32 bias Parameter (out,) or None.
-        outlier_columns: int array (k,) of input features kept in full precision, or None.
-        outlier_weight: float array (out, k), W's values in those columns (FP32).
-    Stored bytes (:attr:`weight_nbytes`): codes and scales, plus 4 * out * k + 8 * k for the outlier columns.
+        bias: the bias Parameter (out,), in the model's dtype, or None.
+        outlier_columns: int array (k,) of input features kept unquantized, or None.
+        outlier_weight: float array (out, k), W's values in those columns, in W's stored dtype.
+    Stored bytes (:attr:`weight_nbytes`): codes and scales, plus itemsize * out * k + 8 * k for the outlier columns.
     """
 
     def __init__(self, weight: QuantizedTensor, bias=None, outlier_columns=None, outlier_weight=None):
@@ -44,7 +44,7 @@ class QuantizedLinear(Module):
                     outlier_columns=None) -> "QuantizedLinear":
         """Quantize ``linear.weight`` (errors as :func:`~minizero.quantization.quantize`).
 
-        ``outlier_columns``: input features kept in FP32 (zeroed before quantizing the rest,
+        ``outlier_columns``: input features kept unquantized, in the weight's dtype (zeroed before quantizing the rest,
         so they do not inflate the row scales), or None.
         """
         w = linear.weight.data
@@ -119,7 +119,7 @@ def quantize_model(model: Module, bits: int = 8, granularity: str = "row", block
     Args:
         bits, granularity, block_size: as :func:`~minizero.quantization.quantize`.
         outlier_threshold: keep input features whose calibration activation magnitude is
-            >= this in FP32 (LLM.int8(); needs ``calibration``, a list of (x, y) batches).
+            >= this unquantized (LLM.int8(); needs ``calibration``, a list of (x, y) batches).
     Returns:
         ``{"layers": [name, ...], "skipped": [name, ...], "dense_bytes", "quantized_bytes",
         "outlier_columns"}``: bytes of the replaced weights before and after.
