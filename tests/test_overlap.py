@@ -140,17 +140,21 @@ def test_overlap_gives_bitwise_the_weights_of_no_overlap(n, flags):
 @pytest.mark.timeout(120)
 def test_the_overlapped_reducer_is_the_synchroniser_and_counts_its_own_bytes():
     """With overlap the strategy's synchroniser is the reducer: it counts the gradient bytes (the report reads
-    ``model_state_bytes_per_step``) and leaves its DataParallel's counter alone; the figure is --no-overlap's."""
+    ``model_state_bytes_per_step``) and leaves its DataParallel's counter alone; the figure is --no-overlap's.
+    Over 0 steps both say 0.0 (ZeRO's answer; it was a ZeroDivisionError), a negative count is refused."""
     from minizero.parallel.overlap import OverlappedReducer
 
     def rank(comm, flags):
         s = train(parse_args(BASE + ["--dtype", "float64", *flags], world_size=2, quiet=True), comm,
                   log=lambda s: None)["strategy"]
-        return type(s.sync), s.dp.bytes_sent, s.model_state_bytes_per_step(2)
+        with pytest.raises(ValueError, match="steps=-1: allowed 0 or more"):
+            s.model_state_bytes_per_step(-1)
+        return type(s.sync), s.dp.bytes_sent, s.model_state_bytes_per_step(2), s.model_state_bytes_per_step(0)
 
     on, off = run_in_threads(2, rank, []), run_in_threads(2, rank, ["--no-overlap"])
     assert [r[:2] for r in on] == [(OverlappedReducer, 0)] * 2 and {r[0] for r in off} != {OverlappedReducer}
     assert [r[2] for r in on] == [r[2] for r in off] and on[0][2] > 0
+    assert [r[3] for r in on + off] == [0.0] * 4  # no steps: nothing per step (ZeRO's answer), not ZeroDivisionError
 
 
 # ------------------------------------------------------------------------------ the timeline

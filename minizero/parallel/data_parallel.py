@@ -17,6 +17,13 @@ from minizero.ledger import get_ledger
 from minizero.optim.used_parameters import used_anywhere
 
 
+def mean_per_step(total: float, steps: int) -> float:
+    """``total`` bytes over ``steps`` steps; 0.0 over no steps. Raises ValueError for a negative ``steps``."""
+    if steps < 0:
+        raise ValueError(f"steps={steps}: allowed 0 or more")
+    return total / steps if steps else 0.0
+
+
 def fill_bucket(flat, layout) -> None:
     """Copy each parameter's gradient into its slice of the flat bucket ``flat`` (zeros for a parameter
     with no gradient). ``layout``: ``[(parameter, offset in elements), ...]``; ``flat``: 1-D, the
@@ -152,5 +159,6 @@ class DataParallel:
         return contextlib.nullcontext()
 
     def bytes_per_step(self, steps: int) -> float:
-        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps."""
-        return self.bytes_sent / steps
+        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps; 0.0 over no steps,
+        as ZeRO's. Raises ValueError for a negative ``steps``."""
+        return mean_per_step(self.bytes_sent, steps)

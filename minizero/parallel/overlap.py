@@ -8,7 +8,7 @@ from __future__ import annotations
 from minizero.comm.collectives import all_reduce, bytes_sent, mean_scale_
 from minizero.comm.recursive_doubling import all_reduce_algorithm
 from minizero.comm.nonblocking import RingCollective, Stream
-from minizero.parallel.data_parallel import fill_bucket
+from minizero.parallel.data_parallel import fill_bucket, mean_per_step
 
 OVERLAP_TAG = 1006  #: tag of the overlapped gradient ring (every kind of message has its own: tests/test_tags.py)
 
@@ -121,5 +121,6 @@ class OverlappedReducer:
         return self.dp.full_parameters()
 
     def bytes_per_step(self, steps: int) -> float:
-        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps (its own count, not ``dp``'s)."""
-        return self.bytes_sent / steps
+        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps (its own count, not ``dp``'s); 0.0 over no steps,
+        as ZeRO's. Raises ValueError for a negative ``steps``."""
+        return mean_per_step(self.bytes_sent, steps)
