@@ -121,6 +121,6 @@ class OverlappedReducer:
         return self.dp.full_parameters()
 
     def bytes_per_step(self, steps: int) -> float:
-        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps (its own count, not ``dp``'s); 0.0 over no steps,
-        as ZeRO's. Raises ValueError for a negative ``steps``."""
+        """Gradient all-reduce bytes this rank sent per step over ``steps`` steps (its own count, not ``dp``'s);
+        0.0 over no steps, as ZeRO's. Raises ValueError for a negative ``steps``."""
         return mean_per_step(self.bytes_sent, steps)
