@@ -82,7 +82,7 @@ def build_parser(quiet: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the merged model here (DIR/model.npz, DIR/model.json)")
     p.add_argument("--json", default=None, help="write the measurements here")
     p.add_argument("--progress", default="auto", choices=MODES, help="rank 0's live progress: a bar on a terminal "
-                   "(auto), else a line every steps/15 (log), or none")
+                   "(auto), else about 15 lines per run (log), or none")
     return p
 
 

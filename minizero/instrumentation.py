@@ -19,7 +19,7 @@ from minizero.ledger import get_ledger
 from minizero.memory.monitor import MemoryMonitor
 from minizero.parallel.tracing import TraceUnits, write_trace
 from minizero.interrupts import Interrupts as _Signals
-from minizero.progress import Progress
+from minizero.progress import Progress, default_every
 
 
 class Interrupts(_Signals, Callback):
@@ -160,7 +160,7 @@ def replica_check(args) -> ReplicaCheck | None:
 def default_callbacks(run) -> list[Callback]:
     """The main job's instruments for ``run`` (a :class:`~minizero.loop.Run`), in calling order."""
     args, resume = run.args, Resume()
-    every = args.log_every or max(1, round(args.steps / 15))  # progress lines (and the memory figures on them)
+    every = args.log_every or default_every(args.steps)  # progress lines (and the memory figures on them)
     callbacks = [Interrupts(), Header(), resume]
     if args.detect_anomaly:  # before the fault injector: its gradient hook then runs first, this one sees it
         callbacks.append(AnomalyDetector(run.strategy.stage, run.comm.rank, fp16=run.scaler is not None))

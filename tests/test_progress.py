@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from minizero.plots import MISSING, plot_losses
-from minizero.progress import Progress
+from minizero.progress import Progress, default_every
 
 LINE = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d{4})  lr (\S+)  +([\d,]+) tok/s  elapsed ([\d.]+ (?:s|min))"
                   r", ETA ([\d.]+ (?:s|min))(  \[fp16: scale (\d+), skipped (\d+)\])?"
@@ -29,28 +29,35 @@ def _drive(progress, steps, fp16=False):
 def test_log_lines_every_k_steps_with_every_field():
     out = io.StringIO()
     p = Progress("auto", 60, 512, out=out)  # a StringIO is no terminal: auto picks log lines
-    assert p.mode == "log" and p.every == 4  # about 15 lines per run
+    assert p.mode == "log" and p.every == 5  # about 15 lines per run, at round steps
     p.validation(0, 5.5)
     _drive(p, 60)
     lines = out.getvalue().splitlines()
     assert lines[0] == "step  0/60  validation loss 5.5000"
     steps = [int(LINE.match(line).group(1)) for line in lines[1:]]
-    assert steps == list(range(4, 61, 4)) and len(steps) == 15
+    assert steps == list(range(5, 61, 5)) and len(steps) == 12
     last = LINE.match(lines[-1])
     assert last.group(3) == "4.4100" and last.group(4) == "1.00e-03" and last.group(7) == "0.0 s"
     assert last.group(8) is None  # no fp16 fields without fp16
 
 
 def test_a_resumed_run_logs_on_the_same_steps_as_an_unresumed_one():
-    """Lines fall on multiples of steps/15 (and the last step) counted from step 0, not from the resume step:
-    405 steps log every 27, so a run resumed at 310 logs 324, 351, 378, 405 as the whole run does."""
+    """Lines fall on multiples of the interval (and the last step) counted from step 0, not from the resume step:
+    405 steps log every 20, so a run resumed at 310 logs 320, 340, ..., 400, 405 as the whole run does."""
     def logged(start):
         out = io.StringIO()
         p = Progress("log", 405, 512, out=out, start_step=start)
         for s in range(start, 405):
             p.step(s, 5.0, 1e-3)
         return [int(LINE.match(line).group(1)) for line in out.getvalue().splitlines()]
-    assert logged(310) == [324, 351, 378, 405] == [s for s in logged(0) if s > 310]
+    assert logged(310) == [320, 340, 360, 380, 400, 405] == [s for s in logged(0) if s > 310]
+
+
+@pytest.mark.parametrize("total, every", [(1, 1), (20, 1), (30, 2), (50, 5), (100, 5), (200, 10), (300, 20),
+                                          (405, 20), (1000, 50), (5000, 500), (10**6, 50000)])
+def test_the_default_interval_is_a_round_number_near_a_fifteenth_of_the_run(total, every):
+    """Before: round(steps / 15), so --steps 100 logged steps 7, 14, 21, ...; now 1, 2 or 5 times a power of ten."""
+    assert default_every(total) == every
 
 
 def test_fp16_fields_and_log_every():
