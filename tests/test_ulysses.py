@@ -4,7 +4,7 @@
   at 1, 2 and 4 ranks; the bytes are ulysses_bytes; the gathered time order is the sequence's.
 * Training (``--cp c --cp-attention ulysses``) equals one process in float64 alone, with dp 2,
   ZeRO-1, tp 2, pp 2, selective recompute and flash attention inside; once under mpiexec.
-* Refused: heads not divisible by c, dropout.
+* Refused: heads not divisible by c (dropout runs: each head group reads its heads of the unsplit mask).
 """
 import math
 import re

@@ -4,7 +4,7 @@ Context parallelism's layout (rank r holds chunks r and 2c-1-r) with another att
 
     q, k, v   (b, H, 2n, D)   this rank's 2 chunks, every head
        │ all-to-all: head group j (H/c heads) to rank j; time blocks reordered to the sequence's order
-    q, k, v   (b, H/c, T, D)  every token, this rank's heads ──> causal attention (the dense core)
+    q, k, v   (b, H/c, T, D)  every token, this rank's heads ──> causal attention (the inner core: dense or flash)
        │ reorder back, all-to-all: time block i to rank i
     y         (b, H, 2n, D)
 
