@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -194,9 +195,7 @@ def _check(parser, args):
             args.plot = plot_path(args.plot)
         except ValueError as e:
             parser.error(str(e))
-        try:
-            import matplotlib  # noqa: F401  (optional: a third-party import, not a minizero module)
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:  # optional: checked before any work
             parser.error("--plot needs matplotlib (pip install matplotlib, or pip install -e '.[test]')")
     if args.top < 0 or (args.strategy is not None and args.top != parser.get_default("top")):  # was ignored
         parser.error(f"--top must be >= 0, got {args.top}" if args.top < 0 else f"--top {args.top} chooses how many "
@@ -267,9 +266,10 @@ def _one_strategy(args, parser, model, hw, seq, gbatch, sizes, scale, unit) -> l
                             and c.host <= hw.host_memory, "candidates": [candidate_json(c, 1)]}, indent=1)]
     fit_dev, fit_host = c.memory.total <= hw.gpu_memory, c.host <= hw.host_memory
     ts, tu = table_unit([c], unit)  # the table's unit: MB or KB for a tiny model (0.00 GB before)
+    fullest = f" (pipeline stage {c.memory.stage}, the fullest)" if st.pp > 1 else ""  # "stage 0" read as ZeRO's
     verdict = ("fits" if fit_dev and fit_host else "does NOT fit") + (
-        f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU (stage "
-        f"{c.memory.stage}, the fullest), host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
+        f": device {c.memory.total / ts:.2f} {tu} of {size(hw.gpu_memory, unit)} per GPU{fullest}, "
+        f"host {c.host / ts:.2f} {tu} of {size(hw.host_memory, unit)}")
     return (_prose(header(args, model, hw, seq, gbatch, scale, unit, [c], [c])
                    + [f"strategy: {describe(st)} (m = {st.micro_batches:,} micro-batches per step)"]) + [""]
             + format_table([c], ts) + ["", verdict] + wrap(step_line(c, ts, tu)))

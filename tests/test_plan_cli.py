@@ -172,6 +172,9 @@ def test_given_strategy_text_and_refusals(capsys):
     code, out, _ = run_main(capsys, "--model", "llama3-70b", "--gpus", "8", "--gpu-memory", "80GB",
                             "--strategy", "dp8")
     assert code == 0 and "does NOT fit: device" in out  # an evaluation, not an error
+    assert "the fullest)" not in out  # one pipeline stage: none to name (it said "stage 0", read as ZeRO's)
+    code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", "dp2 tp2 pp2")
+    assert code == 0 and re.search(r"per GPU \(pipeline stage [01], the fullest\), host", out), out
     code, out, _ = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--strategy", "dp2 tp4 sp zero2")
     assert code == 0 and "strategy: dp=2 tp=4 pp=1 zero=2 sp" in out  # the trainer runs sp with ZeRO 2-3 too
     for text, needle in [("dp2 tp4 pp2", "dp x tp x pp = 2 x 4 x 2 must equal --gpus 8"),
@@ -216,3 +219,11 @@ def test_why_lines_name_settings_as_words_not_python_fields(capsys):
     said = " ".join(out.split())
     assert code == 0 and "(settings: " in said, said
     assert not re.search(r"\b(True|False)\b|offload_activations|micro_batches|sequence_parallel|dp_shard", said), said
+
+
+def test_plot_without_matplotlib_is_refused_before_the_search(capsys, monkeypatch, tmp_path):
+    """--plot's optional matplotlib is looked for before any work: one usage error, no file, no table."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it answers
+    code, out, err = run_main(capsys, "--model", "gpt2", "--gpus", "8", "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and out == "" and "--plot needs matplotlib (pip install matplotlib" in err and one_refusal(err)
+    assert not (tmp_path / "p.png").exists()
