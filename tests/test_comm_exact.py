@@ -1,7 +1,7 @@
 """The communication layer's contracts that a small slip broke unnoticed: the mean's division point, argument
 checks at their edges, a non-blocking ring's traced bytes and peers, cross-node bytes, MPI messages at the
 one-message boundary. From a mutation audit of minizero/comm: each test fails on a planted bug that the other
-tests let through."""
+tests let through (one on a real fault, fixed: the traced bytes of a small ring all-reduce)."""
 import numpy as np
 import pytest
 
@@ -117,6 +117,29 @@ def test_tags_end_at_32767_the_least_mpi_tag_ub_allows():
 
 
 # --------------------------------------------------------------------------- non-blocking rings
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_a_traced_nonblocking_ring_reports_the_bytes_it_sent_and_its_two_neighbours(op):
+    """n = 10 float64 over 3 ranks (chunks 4, 3, 3): the timeline event's ``bytes`` is what the ring sent, to the
+    byte (before: a small all-reduce's event said 80, the bytes of recursive doubling, which it does not run);
+    ``peers`` are rank-1 and rank+1."""
+    from minizero import trace
+    from minizero.comm.nonblocking import RingCollective
+
+    # elements each rank sends: n minus its own chunk; n minus rank+1's; the two together
+    elements = {"reduce_scatter": [6, 7, 7], "all_gather": [7, 7, 6], "all_reduce": [13, 14, 13]}[op]
+
+    def body(comm):
+        comm.traffic.tracer = trace.Tracer(comm.rank)
+        RingCollective(comm, np.arange(10.0) + comm.rank, op, tag=70).start().wait()
+        return comm.traffic.tracer.events, comm.traffic.bytes_sent
+
+    for r, (events, sent) in enumerate(run_in_threads(3, body, timeout=10)):
+        (event,) = [e for e in events if e["name"] == op]
+        assert event["args"]["bytes"] == sent == 8 * elements[r]
+        assert event["args"]["peers"] == [(r - 1) % 3, (r + 1) % 3]
+
+
 @pytest.mark.timeout(30)
 def test_a_nonblocking_ring_waiting_for_its_left_neighbour_names_it_on_three_ranks():
     """Rank 0 of 3 receives from rank 2 (its left) and sends to rank 1, whose copy is taken at once: it waits for
