@@ -1,7 +1,7 @@
 """The communication layer's contracts that a small slip broke unnoticed: the mean's division point, argument
 checks at their edges, a non-blocking ring's traced bytes and peers, cross-node bytes, MPI messages at the
 one-message boundary. From a mutation audit of minizero/comm: each test fails on a planted bug that the other
-tests let through (one on a real fault, fixed: the traced bytes of a small ring all-reduce)."""
+tests let through (two on real faults, fixed: the traced bytes of a small ring all-reduce, native cross-node bytes)."""
 import numpy as np
 import pytest
 
@@ -183,6 +183,35 @@ def test_a_nonblocking_ring_started_twice_is_refused():
 def test_threads_a_split_group_keeps_its_parents_timeout():
     """A group's waits time out as the world's do (``run_in_threads(timeout=...)``), not after the 60 s default."""
     assert run_in_threads(2, lambda comm: comm.split(comm.rank).split(0).timeout, timeout=7.5) == [7.5, 7.5]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 0, 0, 1, 1, 1), (0, 1, 0, 1, 0)])
+@pytest.mark.parametrize("n", [12, 40003])  # recursive doubling and the ring for the all-reduce
+def test_native_collectives_count_the_bytes_across_nodes_that_minizeros_own_send(layout, n):
+    """A native collective's cross-node bytes are those of minizero's algorithm, per rank (as its ledger bytes
+    are): before, a broadcast root with children on both nodes counted all its bytes as crossing, and a small
+    all-reduce counted its recursive-doubling bytes by the ring's right neighbour."""
+    from minizero.comm import all_gather, all_reduce, broadcast, reduce_scatter, shard_range
+    from minizero.comm.nodes import NodeLayout, NodeTrafficCommunicator
+
+    def body(comm):
+        comm = NodeTrafficCommunicator(comm, NodeLayout(layout))
+        size = shard_range(n, comm.world_size, comm.rank)[1]
+        crossed = {}
+        for native in (False, True):
+            for op, call in [("all_reduce", lambda: all_reduce(comm, np.ones(n), native=native)),
+                             ("reduce_scatter", lambda: reduce_scatter(comm, np.ones(n), native=native)),
+                             ("all_gather", lambda: all_gather(comm, np.ones(size), n, native=native)),
+                             ("broadcast", lambda: broadcast(comm, np.ones(n), root=2, native=native))]:
+                before = comm.cross_node.snapshot()["by_op"].get(op, 0)
+                call()
+                crossed[op, native] = comm.cross_node.snapshot()["by_op"].get(op, 0) - before
+        return crossed
+
+    for crossed in run_in_threads(len(layout), body, timeout=30):
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+            assert crossed[op, True] == crossed[op, False], (op, crossed)
 
 
 # --------------------------------------------------------------------------- MPI messages at their edges
