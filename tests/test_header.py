@@ -44,3 +44,24 @@ def test_the_precision_line_says_what_the_backend_computes(monkeypatch):
     monkeypatch.setattr(backend, "name", "cupy")
     assert "cuBLAS half GEMMs with float32 accumulation" in precision_description(fp16)
     assert "emulated" not in precision_description(fp16) and "emulated" in precision_description(bf16)
+
+
+def test_zero_notes_name_one_cause_each():
+    """One data rank: the --zero note alone (its --dp-shard 1 is not a second cause); two data ranks with
+    --dp-shard 1: the --dp-shard note alone. Built directly (the main job's: tests/test_reliability.py)."""
+    from minizero.header import note_lines
+    one = parse_args(["--model", "tiny", "--zero", "3"])
+    assert note_lines(one, NS(dp=1, tp=1), None, 1) == [
+        "note: --zero 3 over 1 data rank shards nothing (the shard is the whole model); running anyway"]
+    two = parse_args(["--model", "tiny", "--zero", "3", "--dp", "2", "--dp-shard", "1"], world_size=2)
+    assert note_lines(two, NS(dp=2, tp=1), None, 2) == [
+        "note: --dp-shard 1 shards nothing: each ZeRO group is one rank, which holds all of ZeRO-3's states; "
+        "running anyway"]
+
+
+def test_the_documents_line_of_packed_text_says_windows_run_across_documents():
+    from minizero.header import documents_description
+    assert documents_description(parse_args(["--model", "tiny"]), 3) == (
+        "the embedded corpus: 3 documents (ended by byte 0x03) packed (--pack): windows run across them")
+    assert documents_description(parse_args(["--model", "tiny"]), 1) == (
+        "the embedded corpus: one document (no 0x03 byte splits it)")

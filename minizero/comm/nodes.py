@@ -13,6 +13,7 @@ import numpy as np
 from minizero import backend
 from minizero.comm.collectives import _binomial_tree
 from minizero.comm.communicator import Communicator
+from minizero.comm.recursive_doubling import all_reduce_algorithm, recursive_doubling_peers
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ class NodeTrafficCommunicator(Communicator):
     """A Communicator over ``inner`` (sharing its ``traffic``) that also counts bytes sent across nodes in
     ``cross_node``.
 
-    Native collectives count ``bytes_sent`` when the ring's right neighbour is on another node.
+    Native collectives count the bytes minizero's own algorithm would send to other nodes (the ring's right
+    neighbour, recursive doubling's partners, the broadcast tree's children), so both ledgers agree.
     ``nodes``: None = :func:`discover_nodes` (collective). Raises ValueError: ``nodes`` of another world size.
     """
 
@@ -174,34 +176,40 @@ class NodeTrafficCommunicator(Communicator):
         self._count(buf.nbytes, dest)
         return req
 
-    def _native_count(self, label: str, nbytes: int, root: int = 0) -> None:
-        right = [(self.rank + 1) % self.world_size]
-        dests = _binomial_tree(self.rank, root, self.world_size)[1] if label == "broadcast" else right
-        if any(self.nodes.node_of[d] != self.nodes.node_of[self.rank] for d in dests):
-            self.cross_node.record(self.traffic.current_label() or label, nbytes)
+    def _native_count(self, label: str, nbytes: int, dests: list) -> None:
+        """Of a native collective's estimated ``nbytes`` (equal messages to ``dests``), count those to other nodes."""
+        crossing = sum(self.nodes.node_of[d] != self.nodes.node_of[self.rank] for d in dests)
+        if crossing:
+            self.cross_node.record(self.traffic.current_label() or label, nbytes * crossing // len(dests))
+
+    def _right(self) -> list:  # where every message of a ring goes
+        return [(self.rank + 1) % self.world_size]
 
     def native_allreduce(self, x, out=None):
         before = self.traffic.bytes_sent
         out = super().native_allreduce(x, out)
-        self._native_count("all_reduce", self.traffic.bytes_sent - before)
+        small = all_reduce_algorithm(x.nbytes, self.world_size) == "recursive_doubling"
+        self._native_count("all_reduce", self.traffic.bytes_sent - before,
+                           recursive_doubling_peers(self.world_size, self.rank) if small else self._right())
         return out
 
     def native_reduce_scatter(self, x):
         before = self.traffic.bytes_sent
         out = super().native_reduce_scatter(x)
-        self._native_count("reduce_scatter", self.traffic.bytes_sent - before)
+        self._native_count("reduce_scatter", self.traffic.bytes_sent - before, self._right())
         return out
 
     def native_allgather(self, shard, n):
         before = self.traffic.bytes_sent
         out = super().native_allgather(shard, n)
-        self._native_count("all_gather", self.traffic.bytes_sent - before)
+        self._native_count("all_gather", self.traffic.bytes_sent - before, self._right())
         return out
 
     def native_bcast(self, x, root=0):
         before = self.traffic.bytes_sent
         out = super().native_bcast(x, root)
-        self._native_count("broadcast", self.traffic.bytes_sent - before, root)
+        self._native_count("broadcast", self.traffic.bytes_sent - before,
+                           _binomial_tree(self.rank, root, self.world_size)[1])
         return out
 
     # -- group management: the inner communicator's, with the sub-group's layout -----------

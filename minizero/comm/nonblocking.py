@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from minizero import backend, trace
 from minizero.comm.base import DEFAULT_TIMEOUT_S, poll_until, timeout_message
-from minizero.comm.collectives import _check_array, bytes_sent, ring_steps, shard_range
+from minizero.comm.collectives import _check_array, ring_steps, shard_range
 
 
 class RingCollective:
@@ -65,9 +65,9 @@ class RingCollective:
             self.entry.state, self.entry.ended_us = "completed", trace.now_us()
         tracer = self.comm.traffic.active_tracer()  # the communicator's callback; None: no cost
         if tracer is not None:
-            n, c = self.buf.size, self.comm
-            tracer.complete(self.name, "comm", self.started_us, trace.now_us(), trace.IN_FLIGHT, op=self.op,
-                            bytes=bytes_sent(self.op, n, self.buf.itemsize, c.world_size, c.rank),
+            c = self.comm
+            sent = sum(size for (_, size), _, _ in self.steps) * self.buf.itemsize  # the ring's, at any size
+            tracer.complete(self.name, "comm", self.started_us, trace.now_us(), trace.IN_FLIGHT, op=self.op, bytes=sent,
                             peers=[(c.rank - 1) % c.world_size, (c.rank + 1) % c.world_size], **self.trace_args)
 
     def progress(self) -> bool:

@@ -62,17 +62,26 @@ def _real_rank(v: int, rem: int) -> int:
     return 2 * v + 1 if v < rem else v + rem
 
 
+def _partners(v: int, p: int, rem: int) -> list[int]:
+    """The rank virtual rank ``v`` exchanges with at each of the log2(p) steps: virtual rank v XOR 2^k."""
+    return [_real_rank(v ^ (1 << k), rem) for k in range(p.bit_length() - 1)]
+
+
+def recursive_doubling_peers(world_size: int, rank: int) -> list[int]:
+    """The ranks ``rank`` sends its whole buffer to in :func:`recursive_doubling_all_reduce_`, in order: a folded-out
+    rank its odd neighbour; the others each step's partner, then (odd ranks below 2 rem) the sum to rank - 1."""
+    if world_size == 1:
+        return []
+    p, rem = _fold(world_size)
+    if rank < 2 * rem and rank % 2 == 0:
+        return [rank + 1]
+    v = rank // 2 if rank < 2 * rem else rank - rem
+    return _partners(v, p, rem) + ([rank - 1] if rank < 2 * rem else [])
+
+
 def bytes_sent_recursive_doubling(n: int, itemsize: int, world_size: int, rank: int) -> int:
     """Bytes ``rank`` sends in :func:`recursive_doubling_all_reduce_` on n elements of ``itemsize``."""
-    if world_size == 1:
-        return 0
-    p, rem = _fold(world_size)
-    steps = p.bit_length() - 1  # log2(p)
-    if rank < 2 * rem:
-        messages = 1 if rank % 2 == 0 else steps + 1
-    else:
-        messages = steps
-    return messages * n * itemsize
+    return len(recursive_doubling_peers(world_size, rank)) * n * itemsize
 
 
 def recursive_doubling_all_reduce_(comm, buf, tmp, src=None) -> None:
@@ -95,15 +104,12 @@ def recursive_doubling_all_reduce_(comm, buf, tmp, src=None) -> None:
         v = rank // 2
     else:
         v = rank - rem
-    mask = 1
-    while mask < p:
-        partner = _real_rank(v ^ mask, rem)
+    for k, partner in enumerate(_partners(v, p, rem)):
         comm.sendrecv(mine, partner, tmp, partner, tag=_RD_TAG)
-        if v & mask:  # the lower virtual rank's partial sum first (commutative: the same bits either way)
+        if v >> k & 1:  # the lower virtual rank's partial sum first (commutative: the same bits either way)
             xp.add(tmp, mine, out=buf)
         else:
             xp.add(mine, tmp, out=buf)
         mine = buf
-        mask <<= 1
     if rank < 2 * rem:
         comm.send(buf, rank - 1, tag=_RD_TAG)
