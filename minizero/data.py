@@ -136,7 +136,9 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1):
 
 
 def check_corpus(tokens: np.ndarray, block_size: int, name: str = "corpus") -> None:
-    """Raise ValueError if ``tokens`` is too short to cut one (block_size + 1)-token window."""
+    """Raise ValueError if ``tokens`` has fewer than block_size + 2: :func:`global_batch` draws window starts from
+    [0, n - block_size - 1), so it needs one token more than a (block_size + 1)-token window and never draws the last
+    window (nanoGPT's ``randint(n - block_size)`` does)."""
     if len(tokens) < block_size + 2:
         raise ValueError(f"{name} has {len(tokens)} tokens; needs more than block_size + 1 = {block_size + 1}")
 

@@ -102,3 +102,62 @@ def test_every_seed_and_step_draws_its_own_global_batch():
     batches = {(seed, step): global_batch(tokens, step, 4, 16, seed)[0].tobytes() for seed in range(4)
                for step in range(4)}
     assert len(set(batches.values())) == len(batches)
+
+
+def test_construction_gives_every_rank_rank_0s_parameters():
+    """broadcast_params: the replicas start from rank 0's values, whatever each rank initialised."""
+    from minizero.nn.module import Parameter
+    from minizero.parallel.data_parallel import DataParallel
+
+    def start(comm):
+        p = Parameter(np.full(3, float(comm.rank + 1)))
+        DataParallel([p], comm)
+        return p.data.tolist()
+
+    assert run_in_threads(3, start) == [[1.0] * 3] * 3
+
+
+def test_validation_is_the_last_tenth_and_shares_no_token_with_training():
+    from minizero.data import train_val_split
+
+    train, val = train_val_split(np.arange(105))
+    assert train.tolist() == list(range(95)) and val.tolist() == list(range(95, 105))
+
+
+def test_a_negative_validation_index_counts_from_the_end():
+    from minizero.data import eval_batches, load_tokens
+
+    val = eval_batches(load_tokens(None)[:4000], 16, 3, 2, seed=5)
+    for i in (-1, -2, -3):
+        assert all(np.array_equal(a, b) for a, b in zip(val[i], val[3 + i]))
+    assert not np.array_equal(val[-1][0], val[1][0])
+
+
+def test_a_parameter_of_another_dtype_starts_a_bucket_of_its_own():
+    """A float64 gradient beside a float32 one is averaged in a float64 bucket: not rounded to float32."""
+    from minizero.nn.module import Parameter
+    from minizero.parallel.data_parallel import DataParallel
+
+    def average(comm):
+        params = [Parameter(np.zeros(2)), Parameter(np.zeros(2, np.float32))]
+        dp = DataParallel(params, comm)
+        params[0].grad, params[1].grad = np.full(2, 1 + 2.0 ** -40), np.full(2, 3.0, np.float32)
+        dp.allreduce_gradients()
+        return [str(flat.dtype) for flat, _ in dp.buckets], params[0].grad.tolist(), params[1].grad.dtype
+
+    assert run_in_threads(2, average) == [(["float32", "float64"], [1 + 2.0 ** -40] * 2, np.float32)] * 2
+
+
+def test_float16_gradients_are_divided_before_the_sum_and_do_not_overflow():
+    """Two ranks' float16 gradients of 40000: their mean is 40000, though their sum (80000) is past float16's 65504."""
+    from minizero.nn.module import Parameter
+    from minizero.parallel.data_parallel import DataParallel
+
+    def average(comm):
+        p = Parameter(np.zeros(3, np.float16))
+        dp = DataParallel([p], comm)
+        p.grad = np.full(3, 40000, np.float16)
+        dp.allreduce_gradients()
+        return p.grad.tolist()
+
+    assert run_in_threads(2, average) == [[40000.0] * 3] * 2

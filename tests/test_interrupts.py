@@ -387,7 +387,8 @@ def test_ctrl_c_while_finetune_ranks_start_prints_no_traceback(mpiexec, weights,
 @pytest.mark.parametrize("argv,seconds", [
     (["--comm-timeout", "3"], 3.0), (["--comm-timeout=5"], 5.0), (["--comm-timeout", "2", "--comm-timeout", "7"], 7.0),
     (["--comm-timeout", "\u0663"], 600.0), (["--comm-timeout", "0"], 600.0), (["--comm-timeout", "nan"], 600.0),
-    (["--comm-timeout", "1_0"], 600.0), (["--comm-timeout"], 600.0), ([], 600.0)])
+    (["--comm-timeout", "1_0"], 600.0), (["--comm-timeout"], 600.0), ([], 600.0),
+    (["--comm-timeout", "1"], 1.0), (["--comm-timeout", "0.99"], 600.0)])  # the minimum (1 s here) is allowed
 def test_set_up_waits_at_most_the_comm_timeout_given(argv, seconds):
     """What train and finetune bound their set-up with, read before MPI starts (their parsers refuse bad values)."""
     from minizero.interrupts import set_up_timeout
@@ -615,3 +616,29 @@ def test_run_script_says_which_run_failed_and_why(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--out 'x' is not a directory" in err, err
     assert "error: a run exited 2: mpiexec -n 8 python -m minizero.train" in err, err
+
+
+def test_of_two_dropped_interrupts_the_first_is_raised_again(monkeypatch):
+    """Interrupts.check raises the first signal's exception (Ctrl-C, then SIGTERM: KeyboardInterrupt, exit 130)."""
+    from minizero.interrupts import Terminated
+
+    monkeypatch.setattr(Interrupts, "raised", [KeyboardInterrupt, Terminated])
+    with pytest.raises(KeyboardInterrupt):
+        Interrupts.check()
+
+
+def test_end_of_set_up_forgets_interrupts_of_an_earlier_run(monkeypatch):
+    """A program run twice in one process (tests, notebooks): the first run's dropped interrupt is not raised again."""
+    from minizero.interrupts import end_set_up
+
+    monkeypatch.setattr(Interrupts, "raised", [KeyboardInterrupt])
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        end_set_up()
+        Interrupts.check()
+    except KeyboardInterrupt:  # not pytest's own: it would end the session
+        pytest.fail("end_set_up kept an earlier run's dropped interrupt")
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

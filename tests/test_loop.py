@@ -105,3 +105,47 @@ def test_the_logged_loss_is_the_mean_over_micro_batches_not_their_sum():
 
     accumulated = losses(["--micro-batch-size", "2", "--grad-accum", "2"])
     np.testing.assert_allclose(accumulated, losses(["--micro-batch-size", "4"]), rtol=1e-12)
+
+
+def test_validation_runs_every_eval_every_steps_and_once_at_the_end_on_the_batches_quantize_reads():
+    """--eval-every 1 over 2 steps: validation at steps 0, 1 and 2, the end not twice; its batches are the ones
+    ``python -m minizero.quantize`` and bench_heldout.py draw as the trainer's (--seed + 1)."""
+    from minizero.quantized_model import evaluate_loss
+    from minizero.train import train
+
+    args = parse_args([*BASE, "--steps", "2", "--eval-every", "1", "--no-save"], 1)
+    result = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=120)[0]
+    assert [step for step, _ in result.val_history] == [0, 1, 2]
+    val = eval_batches(train_val_split(load_tokens(None))[1], 16, 1, 16, seed=3 + 1)
+    assert result.val_history[-1][1] == pytest.approx(evaluate_loss(result.model, val), rel=1e-12)
+
+
+def test_fp16_reports_and_clips_the_unscaled_gradient_norm():
+    """Under the loss scale S the logged norm is the gradient's own (FP32's to ~1e-4) and the update carries 1/S:
+    a power of two scales exactly, so S = 2^15 logs S = 2^16's norms. (Round-4 mutants: the norm without its 1/S, and
+    the update without it, which Adam hides but for its epsilon, passed every other test.)"""
+    from minizero.train import train
+
+    def norms(flags):
+        args = parse_args([*BASE[:2], *BASE[4:], "--no-save", *flags], 1)  # BASE less --dtype float64
+        result = run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=120)[0]
+        return result.grad_norms, result.loss_scales
+
+    fp16, scales = norms(["--precision", "fp16"])
+    assert scales == [65536.0] * 3
+    np.testing.assert_allclose(fp16, norms([])[0], rtol=1e-3)
+    np.testing.assert_allclose(norms(["--precision", "fp16", "--initial-loss-scale", "32768"])[0], fp16, rtol=1e-10)
+
+
+def test_a_resumed_run_counts_tokens_per_second_over_the_steps_it_ran(tmp_path):
+    """Resumed after step 2 of 3, the run trained one global batch: tokens/s x its seconds is B x T, not 3 B T."""
+    from minizero.train import train
+
+    def run(flags):
+        args = parse_args([*BASE, *flags], 1)
+        return args, run_in_threads(1, lambda comm: train(args, comm, log=lambda s: None), timeout=120)[0]
+
+    run(["--save-every", "2", "--save-dir", str(tmp_path), "--no-save"])
+    args, resumed = run(["--resume", str(tmp_path / "step_00000002"), "--no-save"])
+    assert resumed.start_step == 2
+    assert resumed.tokens_per_s * resumed.elapsed_s == pytest.approx(args.batch_size * 16, rel=1e-9)

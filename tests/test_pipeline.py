@@ -463,3 +463,11 @@ def test_each_step_draws_new_dropout_masks(pp):
                                             micro_batches(2)):
             same = all(np.array_equal(first[n], second[n]) for n in first)
             assert same != differ, (p, pp)
+
+
+def test_gpipe_and_1f1b_run_the_micro_batches_in_their_documented_order():
+    """GPipe: F0..F(m-1), then B0..B(m-1); 1F1B's stage s: min(p-s-1, m) warm-up forwards, F/B pairs, the rest's
+    backwards. The bubble and the per-op checks hold for other orders too (a reversed GPipe backward survived them)."""
+    assert [" ".join(map(str, ops)) for ops in make_schedule("gpipe", 2, 3)] == ["F0 F1 F2 B0 B1 B2"] * 2
+    assert [" ".join(map(str, ops)) for ops in make_schedule("1f1b", 3, 4)] == [
+        "F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]

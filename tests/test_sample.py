@@ -345,3 +345,17 @@ def test_sampling_runs_on_one_blas_thread(monkeypatch):
         seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}), forward(*a, **k))[1])
     sample(model, np.array([[84, 104]]), 3, 0.8, None, np.random.default_rng(0))
     assert seen == [{1}] * 3
+
+
+def test_top_k_256_is_every_byte_and_allowed():
+    """--top-k 256 is what the help calls the default (every byte); 257 is refused naming the range."""
+    from minizero.sample import build_parser, check
+
+    assert check(build_parser().parse_args(["--top-k", "256"])) is None
+    assert check(build_parser().parse_args(["--top-k", "257"])).startswith("--top-k must be in [1, 256]")
+
+
+def test_sample_without_a_generator_draws_from_seed_0():
+    model = GPT(get_config("tiny", dtype="float64"), seed=3)
+    idx = np.array([[84, 104, 101, 32]])
+    assert np.array_equal(sample(model, idx, 8), sample(model, idx, 8, rng=np.random.default_rng(0)))

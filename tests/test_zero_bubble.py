@@ -308,3 +308,12 @@ def test_zb_v_under_2p_minus_1_micro_batches_is_the_full_layout_with_the_missing
     for m in range(1, 2 * p - 1):
         assert zb_v(p, m) == [[op for op in ops if op.mb < m] for ops in full], m
         simulate(zb_v(p, m))
+
+
+def test_zb_v_at_2p_minus_1_micro_batches_is_laid_out_for_exactly_those():
+    """m = 2p-1 is the layout itself, no micro-batch dropped: at p=2 rank 1 turns chunk 0's F at once and the bubble
+    is 1/18 (Round-4 mutant: laid out for 2p and dropped to 2p-1 passed every test, a valid schedule with twice the
+    bubble)."""
+    assert " ".join(map(str, zb_v(2, 3)[1])) == ("F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 "
+                                                  "B1 B2.1 B2 W1 W2.1 W2")
+    assert bubble_ratio(simulate(zb_v(2, 3))) == pytest.approx(1 / 18, abs=1e-12)
