@@ -14,8 +14,8 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.autograd.functional import _flat2d  # (..., K) -> (rows, K)
-from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
+from minizero.comm.collectives import all_gather
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module
 
@@ -153,9 +153,9 @@ class ScaledCast:
 
 
 class _FP8Linear(Function):
-    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
-
-    Saves the 8-bit codes of x and W (1 byte per element) and their scales; db = sum g unquantised.
+    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation): x (..., in), W (out, in), b (out,) or None, float32 ->
+    (..., out) float32; backward: g8 = g cast to E5M2, dx = g8 fp8(W), dW = g8^T fp8(x), db = sum g unquantised.
+    Saves the 8-bit codes of x and W (1 byte per element) and their scales.
     """
 
     @staticmethod
@@ -216,6 +216,7 @@ class AmaxReduction:
             c.pending = []
 
     def reduce(self) -> None:
+        """Collective over ``comm``: the step's pending amaxes, their max over ranks, into the histories."""
         counts = [len(c.pending) for c in self.casts]
         if not sum(counts):
             return
