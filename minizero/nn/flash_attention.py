@@ -146,7 +146,7 @@ def _is_float(dtype) -> bool:  # str(dtype), 5 us in NumPy 2, only for the kinds
     return getattr(dtype, "kind", None) == "f" or str(dtype).startswith(("float", "bfloat"))
 
 
-def _check_qkv(q, k, v) -> None:  # before: NumPy's unpack, broadcast or matmul error from inside the kernel
+def _check_qkv(q, k, v) -> None:  # a named error up front, not NumPy's unpack/broadcast/matmul one from the kernel
     shapes, dtypes = [getattr(t, "shape", None) for t in (q, k, v)], [getattr(t, "dtype", None) for t in (q, k, v)]
     if len(shapes[0] or ()) != 4 or len(set(shapes)) != 1 or not all(map(_is_float, dtypes)):
         raise ValueError(f"flash_attention: q, k, v must be float (B, H, T, D) arrays of one shape, got shapes "
