@@ -81,7 +81,8 @@ def to_fp8_bits(q, fmt: FP8Format):
 
 
 def from_fp8_bits(b, fmt: FP8Format):
-    """uint8 codes of ``fmt`` -> float32 values (exact); the inverse of :func:`to_fp8_bits`."""
+    """uint8 codes of ``fmt`` -> float32 values (exact); the inverse of :func:`to_fp8_bits`. E5M2's +-inf codes
+    (0x7C, 0xFC), which saturating casts never write, decode as +-65536, not as ml_dtypes' inf."""
     xp = backend.array_module(b)
     b = b.astype(xp.int32)
     biased, mant = (b >> fmt.mantissa) & ((1 << (7 - fmt.mantissa)) - 1), b & ((1 << fmt.mantissa) - 1)
