@@ -30,7 +30,7 @@ _LEN_TAG, _DATA_TAG = 1301, 1302
 def gather_json(comm, obj, root: int = 0):
     """Collective: every rank's JSON-able ``obj`` as a list by rank on ``root`` (None elsewhere).
 
-    Two point-to-point messages per rank (length, then UTF-8 bytes as uint8).
+    Two point-to-point messages per rank to ``root`` (length, then UTF-8 bytes as uint8; label ``p2p``).
     """
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     if comm.rank != root:

@@ -102,7 +102,8 @@ class Pruner:
         pruner.mask_gradients_(opt)    # after the gradient reduction, before clipping
         pruner.mask_weights_(opt)      # after opt.step()
 
-    ``opt``: any optimizer (through its ``views(which)``) or None (the model's weights).
+    ``opt``: any optimizer (through its ``views(which)``) or None (the model's weights). Raises ValueError: as
+    :func:`magnitude_masks`.
     """
 
     def __init__(self, model, sparsity: float, scope: str = "global"):
