@@ -152,7 +152,7 @@ class _RingAttention(Function):
         n, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         acc_t = lse.dtype
         g = g.astype(acc_t)
-        dsum = (g * out.astype(acc_t)).sum(axis=-1)  # D = rowsum(dO * O)
+        dsum = (g * out.astype(acc_t)).sum(axis=-1)  # rowsum(dO * O), FlashAttention's D (here D is the head width)
         dq = xp.zeros(q.shape, dtype=acc_t)
         kb, vb = k, v
         dkb, dvb = xp.zeros(k.shape, dtype=acc_t), xp.zeros(v.shape, dtype=acc_t)
