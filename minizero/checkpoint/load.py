@@ -105,7 +105,7 @@ class ShardReader:
             have = full_index(pc["tp"], shape, pc["lo"], pc["hi"])
             if have.size == 0 or have.max() < want.min() or have.min() > want.max():
                 continue
-            order = np.argsort(have, kind="stable")
+            order = np.argsort(have, kind="stable")  # look each wanted index up among the piece's, sorted
             pos = np.minimum(np.searchsorted(have[order], want), have.size - 1)
             hit = have[order][pos] == want
             if hit.any():

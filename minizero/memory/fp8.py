@@ -1,7 +1,7 @@
 """FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
 
 ``q = round(clip(x * s, -max, max)) / s``, s = max / amax (``current``) or the largest of the last
-``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights, Adam state and masters stay FP32.
+``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights and Adam state stay FP32 (no master copy).
 Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
 from __future__ import annotations

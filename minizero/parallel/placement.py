@@ -39,7 +39,7 @@ def _cross(comm) -> dict | None:
 def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     """Cross-node bytes ``(ring, hierarchical)`` of one all-reduce of ``dp``'s buckets
     (hierarchical 0 for unequal nodes)."""
-    nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])
+    nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])  # this rank's group
     even = len({len(nodes.ranks_on(n)) for n in nodes.nodes}) == 1
     ring = hier = 0
     for flat, _ in (dp.buckets if dp is not None else []):
