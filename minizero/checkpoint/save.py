@@ -81,7 +81,8 @@ def previous_kept(path: str, final: str):
 
 
 def rank_tensors(strategy, pruner=None, rank: int = 0):
-    """This rank's ``(tensors, pieces, params)``: key -> flat host array, the manifest's pieces, full shapes and dtypes.
+    """This rank's ``(tensors, pieces, params)``: key -> flat host array (rank 0: also ``pruner``'s ``mask/NAME``), the
+    manifest's pieces, full shapes and dtypes.
 
     A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}`` (``"dense"``; ``"8bit"``: + block_size).
     """

@@ -143,6 +143,7 @@ def expert_groups(dp_comm, ep: int):
 
 
 def is_expert(p) -> bool:
+    """True for an expert's parameter (:func:`use_moe` sets ``p.expert`` on w1 and w2)."""
     return getattr(p, "expert", False)
 
 
