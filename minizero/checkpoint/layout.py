@@ -6,7 +6,7 @@ Every array a rank keeps is described the same way, whatever the layout that put
       kind   "param" | "m" | "v" | "master"      (the parameter, Adam's moments, FP16's FP32 copy)
       name   the nanoGPT name of the whole parameter ("transformer.h.0.attn.c_attn.weight")
       shape  its full (logical) shape, as one process holds it
-      tp     None, or (dim, stride, index, parts): the tensor-parallel shard this rank holds
+      tp     None, or (dim, stride, index, parts): the tensor-parallel shard (or expert-parallel slice) it holds
       lo:hi  elements [lo, hi) of that shard laid flat (ZeRO's owned piece; 0:size when whole)
 
 Loading on a new layout reads, for each slot, the saved slots that overlap it (DeepSpeed's

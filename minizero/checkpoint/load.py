@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 from minizero import backend
 from minizero.autograd.functional import manual_seed, set_rng_state
-from minizero.memory.fp8 import load_fp8_state
 from minizero.checkpoint.format import CheckpointError, read_manifest, resolve
 from minizero.checkpoint.layout import full_index, same_split, slots
 from minizero.ledger import MemoryLedger
+from minizero.memory.fp8 import load_fp8_state
 from minizero.memory.sparsity import Pruner
 from minizero.optim.adam8bit import QuantizedState, make_codes
 from minizero.optim.adamw import state_dtype
@@ -28,8 +28,8 @@ from minizero.quantization import dequantize_blockwise
 class ShardReader:
     """Reads logical slices of a checkpoint's tensors from the pieces that hold them.
 
-    ``ledger`` counts the buffers read (``peak_total``: the transient peak). Attributes: folder, manifest, reads,
-    bytes_read.
+    ``ledger`` counts the buffers read (``peak_total``: the transient peak). Attributes: folder, manifest, by_param
+    ((kind, name) -> its saved pieces), reads, bytes_read, requantized (some 8-bit state went onto another grid).
     """
 
     def __init__(self, path: str, ledger: MemoryLedger | None = None):
@@ -42,7 +42,7 @@ class ShardReader:
             self.by_param[(pc["kind"], pc["param"])].append(pc)
         self._open = {}
         self.reads, self.bytes_read = 0, 0
-        self.requantized = False  # some 8-bit state went onto another block grid (load_into)
+        self.requantized = False  # set by load_into
         self._codes = make_codes(self.manifest["layout"].get("adam8bit_code", "dynamic"), device=False)
 
     def shape(self, name: str) -> tuple:
@@ -105,7 +105,7 @@ class ShardReader:
             have = full_index(pc["tp"], shape, pc["lo"], pc["hi"])
             if have.size == 0 or have.max() < want.min() or have.min() > want.max():
                 continue
-            order = np.argsort(have, kind="stable")
+            order = np.argsort(have, kind="stable")  # look each wanted index up among the piece's, sorted
             pos = np.minimum(np.searchsorted(have[order], want), have.size - 1)
             hit = have[order][pos] == want
             if hit.any():

@@ -16,11 +16,11 @@ from safetensors.numpy import save_file
 
 from minizero import backend
 from minizero.autograd.functional import get_rng_state
-from minizero.memory.fp8 import fp8_state
 from minizero.checkpoint.format import (FORMAT, LATEST, MANIFEST, TMP, TRASH, VERSION, CheckpointError, clean_partial,
                                         complete, folder_name, fsync_path, rank_file, resolve, sha256)
 from minizero.checkpoint.layout import host_arrays, slots
 from minizero.files import WriteError, atomic_write, umask, write_error
+from minizero.memory.fp8 import fp8_state
 from minizero.optim.adam8bit import QuantizedState
 from minizero.parallel.expert_parallel import routing_state
 
@@ -30,7 +30,7 @@ _LEN_TAG, _DATA_TAG = 1301, 1302
 def gather_json(comm, obj, root: int = 0):
     """Collective: every rank's JSON-able ``obj`` as a list by rank on ``root`` (None elsewhere).
 
-    Two point-to-point messages per rank (length, then UTF-8 bytes as uint8).
+    Two point-to-point messages per rank to ``root`` (length, then UTF-8 bytes as uint8; label ``p2p``).
     """
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
     if comm.rank != root:
@@ -81,7 +81,8 @@ def previous_kept(path: str, final: str):
 
 
 def rank_tensors(strategy, pruner=None, rank: int = 0):
-    """This rank's ``(tensors, pieces, params)``: key -> flat host array, the manifest's pieces, full shapes and dtypes.
+    """This rank's ``(tensors, pieces, params)``: key -> flat host array (rank 0: also ``pruner``'s ``mask/NAME``), the
+    manifest's pieces, full shapes and dtypes.
 
     A piece: ``{"key", "kind", "param", "tp", "lo", "hi", "dtype", "format"}`` (``"dense"``; ``"8bit"``: + block_size).
     """
@@ -127,7 +128,7 @@ def save_checkpoint(strategy, comm, save_dir: str, step: int, state: dict, prune
     tensors, pieces, params = rank_tensors(strategy, pruner, comm.rank)
     path = os.path.join(tmp, rank_file(comm.rank))
     try:
-        save_file(tensors, path, metadata={"rank": str(comm.rank)})  # one key: safetensors orders several at random
+        save_file(tensors, path, metadata={"rank": str(comm.rank)})  # one key: several are written in random order
     except Exception as e:  # safetensors' SafetensorError carries no errno: "... (os error 28)"
         full = getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e)
         raise WriteError(errno.ENOSPC if full else errno.EIO, f"could not write {path!r}: "

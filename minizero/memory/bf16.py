@@ -14,7 +14,7 @@ from minizero.autograd import Function, Tensor
 from minizero.autograd.functional import _flat2d  # (..., K) -> (rows, K)
 from minizero.nn.module import Linear, Matmul, Module
 
-_ROUND, _KEEP, _QUIET = np.uint32(0x7FFF), np.uint32(0xFFFF0000), np.uint32(0x00400000)
+_ROUND, _QUIET = np.uint32(0x7FFF), np.uint32(0x00400000)  # the rounding bias; a NaN's quiet bit
 
 
 def to_bf16_bits(x):
@@ -46,7 +46,7 @@ def round_bf16(x):
 class _BF16Linear(Function):
     """y = bf16(bf16(x) bf16(W)^T + b): x (..., in), W (out, in), b (out,) or None, all float32 -> (..., out).
 
-    Saves bf16(x) and bf16(W) as uint16 (2 bytes per element). Backward: dx, dW, db rounded to bf16.
+    Saves bf16(x) and bf16(W) as uint16 (2 bytes per element). Backward: g rounded to bf16, then dx, dW, db each.
     """
 
     @staticmethod

@@ -1,7 +1,7 @@
 """FP8 training, emulated (``--precision fp8``): E4M3 forward, E5M2 gradients, per-tensor scales.
 
 ``q = round(clip(x * s, -max, max)) / s``, s = max / amax (``current``) or the largest of the last
-``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights, Adam state and masters stay FP32.
+``AMAX_HISTORY`` (``delayed``); E4M3 max 448, E5M2 max 57344. Weights and Adam state stay FP32 (no master copy).
 Source: Micikevicius et al., arXiv:2209.05433; NVIDIA Transformer Engine's ``DelayedScaling``.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from minizero import backend
 from minizero.autograd import Function, Tensor
 from minizero.autograd.functional import _flat2d  # (..., K) -> (rows, K)
-from minizero.comm.collectives import all_gather
 from minizero.autograd.grad_mode import is_grad_enabled
+from minizero.comm.collectives import all_gather
 from minizero.ledger import get_ledger
 from minizero.nn.module import Linear, Module
 
@@ -81,7 +81,8 @@ def to_fp8_bits(q, fmt: FP8Format):
 
 
 def from_fp8_bits(b, fmt: FP8Format):
-    """uint8 codes of ``fmt`` -> float32 values (exact); the inverse of :func:`to_fp8_bits`."""
+    """uint8 codes of ``fmt`` -> float32 values (exact); the inverse of :func:`to_fp8_bits`. E5M2's +-inf codes
+    (0x7C, 0xFC), which saturating casts never write, decode as +-65536, not as ml_dtypes' inf."""
     xp = backend.array_module(b)
     b = b.astype(xp.int32)
     biased, mant = (b >> fmt.mantissa) & ((1 << (7 - fmt.mantissa)) - 1), b & ((1 << fmt.mantissa) - 1)
@@ -153,9 +154,9 @@ class ScaledCast:
 
 
 class _FP8Linear(Function):
-    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation); backward with g cast to E5M2. float32 in and out.
-
-    Saves the 8-bit codes of x and W (1 byte per element) and their scales; db = sum g unquantised.
+    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation): x (..., in), W (out, in), b (out,) or None, float32 ->
+    (..., out) float32; backward: g8 = g cast to E5M2, dx = g8 fp8(W), dW = g8^T fp8(x), db = sum g unquantised.
+    Saves the 8-bit codes of x and W (1 byte per element) and their scales.
     """
 
     @staticmethod
@@ -216,6 +217,7 @@ class AmaxReduction:
             c.pending = []
 
     def reduce(self) -> None:
+        """Collective over ``comm``: the step's pending amaxes, their max over ranks, into the histories."""
         counts = [len(c.pending) for c in self.casts]
         if not sum(counts):
             return

@@ -29,7 +29,7 @@ class DynamicLossScaler:
 
     S starts at ``init_scale`` (2^16), *= ``backoff_factor`` after ``hysteresis`` overflows, *= ``growth_factor``
     after ``growth_interval`` clean steps, never below ``min_scale``. Attributes: scale, skipped, consecutive_skips.
-    ``warn(note)``: called once with a one-line note when gradients first overflow at ``min_scale`` (default: a
+    ``warn(note)``: called with a one-line note at the first of each run of overflows at ``min_scale`` (default: a
     RuntimeWarning; the training loop passes rank 0's log, so a job of N ranks says it once, not N times).
     Raises ValueError: a factor or count out of range (named).
     """

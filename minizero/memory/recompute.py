@@ -47,7 +47,8 @@ class Checkpoint(Function):
 def checkpoint(fn, *inputs: Tensor) -> Tensor:
     """Run ``fn(*inputs)`` keeping only ``inputs`` (Tensors) for backward; recompute ``fn`` in backward.
 
-    ``fn`` returns one Tensor and must not close over other Tensors that require grad.
+    ``fn`` returns one Tensor; it may use parameters (the recompute's backward adds to their ``.grad``), but no other
+    non-leaf Tensor that requires grad (that backward would run, and free, the part of the graph that made it).
     Raises TypeError: an input is not a Tensor, or ``fn`` does not return one Tensor.
     """
     for i, t in enumerate(inputs):

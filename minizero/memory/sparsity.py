@@ -1,9 +1,9 @@
 """Magnitude pruning to a target sparsity, and training with the mask held fixed.
 
-Exactly ``round(sparsity * n)`` of the linear layers' weights of smallest |w| go, per matrix (``"layer"``) or
-under one threshold (``"global"``); pruned gradients are zeroed before clipping, pruned weights after the
-update. Masks are bitmaps (1 bit per element, ``parameters``). Sources: Han et al. 2015, arXiv:1506.02626,
-section 3; Zhu & Gupta 2017, arXiv:1710.01878.
+Exactly ``round(sparsity * n)`` of the linear layers' weights of smallest |w| go, per matrix (``"layer"``) or under
+one threshold (``"global"``); pruned gradients are zeroed before clipping, pruned weights after the update. Masks are
+bitmaps (1 bit per element, in the ledger's ``parameters``). Sources: Han et al. 2015, arXiv:1506.02626, section 3;
+Zhu & Gupta 2017, arXiv:1710.01878.
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def magnitude_masks(weights: dict, sparsity: float, scope: str = "global") -> di
 
 
 def compressed_nbytes(mask, value_bytes: int = 4, index_bytes: int = 4) -> dict:
-    """Bytes ``{"nnz", "dense", "csr", "bitmap"}`` of a 2-D pruned matrix
-    (int32 CSR indices, bitmap 1 bit per element)."""
+    """``{"nnz": kept elements, "dense", "csr", "bitmap": bytes}`` of a 2-D keep-mask's matrix: dense all values;
+    CSR the kept values, a column index each and rows + 1 row pointers; bitmap 1 bit per element + the kept values."""
     mask = mask if hasattr(mask, "dtype") else np.asarray(mask, bool)
     rows = mask.shape[0] if mask.ndim >= 1 else 1
     n, nnz = mask.size, int(backend.host_scalar(mask.sum()))
@@ -102,7 +102,8 @@ class Pruner:
         pruner.mask_gradients_(opt)    # after the gradient reduction, before clipping
         pruner.mask_weights_(opt)      # after opt.step()
 
-    ``opt``: any optimizer (through its ``views(which)``) or None (the model's weights).
+    ``opt``: any optimizer (through its ``views(which)``) or None (the model's weights). Raises ValueError: as
+    :func:`magnitude_masks`.
     """
 
     def __init__(self, model, sparsity: float, scope: str = "global"):

@@ -16,13 +16,13 @@ ATTENTIONS = ("dense", "flash")  #: choices of ``--attention``
 
 
 # --------------------------------------------------------------------------- the block kernel (ring attention's too)
-mm = backend.matmul  # BLAS-friendly (contiguous batched operands) on NumPy
+_matmul = backend.matmul  # batched (torch.matmul, not the 2-D torch.mm); BLAS-friendly operands on NumPy
 
 
 def block_scores(q, k, scale: float, mask=None):
     """S = q k^T scale, -inf where ``mask`` (bool, True = keep) is False. q (..., n, D),
     k (..., m, D) -> (..., n, m)."""
-    s = mm(q, k.swapaxes(-1, -2)) * scale
+    s = _matmul(q, k.swapaxes(-1, -2)) * scale
     return s if mask is None else backend.xp.where(mask, s, -backend.xp.inf)
 
 
@@ -39,26 +39,27 @@ def online_softmax_step(m, l, o, s, v, keep=None, keep_scale: float = 1.0):
     l = l * alpha + p.sum(axis=-1)
     if keep is not None:
         p = p * keep * keep_scale
-    return m_new, l, o * alpha[..., None] + mm(p, v)
+    return m_new, l, o * alpha[..., None] + _matmul(p, v)
 
 
 def attention_block_grads(q, k, v, g, lse, dsum, scale: float, mask=None, keep=None, keep_scale: float = 1.0):
-    """One block's (dq, dk, dv) contributions from P = exp(S - L) recomputed.
+    """One block's (dq, dk, dv) from P = exp(S - L) recomputed: dv = P^T g, dS = P (g v^T - dsum), dq = dS k scale,
+    dk = dS^T q scale; with dropout, keep * keep_scale multiplies P in dv and g v^T in dS.
 
     q, g (..., n, D), lse, dsum (..., n); k, v (..., m, D); mask (n, m) bool or None; keep (..., n, m) or None.
     """
     xp = backend.xp
-    p = xp.exp(mm(q, k.swapaxes(-1, -2)) * scale - lse[..., None])
+    p = xp.exp(_matmul(q, k.swapaxes(-1, -2)) * scale - lse[..., None])
     if mask is not None:
         p = xp.where(mask, p, 0.0)
-    dp = mm(g, v.swapaxes(-1, -2))
+    dp = _matmul(g, v.swapaxes(-1, -2))
     if keep is not None:
-        dv = mm((p * keep * keep_scale).swapaxes(-1, -2), g)
+        dv = _matmul((p * keep * keep_scale).swapaxes(-1, -2), g)
         dp = dp * keep * keep_scale
     else:
-        dv = mm(p.swapaxes(-1, -2), g)
+        dv = _matmul(p.swapaxes(-1, -2), g)
     ds = p * (dp - dsum[..., None])
-    return mm(ds, k) * scale, mm(ds.swapaxes(-1, -2), q) * scale, dv
+    return _matmul(ds, k) * scale, _matmul(ds.swapaxes(-1, -2), q) * scale, dv
 
 
 # --------------------------------------------------------------------------- the autograd Function
@@ -106,7 +107,7 @@ class _FlashAttention(Function):
         b, h, t, d = q.shape
         block, drop, scale, acc = ctx.block, ctx.drop, 1.0 / math.sqrt(d), lse.dtype
         g = _upcast(g, acc)
-        dsum = (g * _upcast(out, acc)).sum(axis=-1)  # D = rowsum(dO * O)
+        dsum = (g * _upcast(out, acc)).sum(axis=-1)  # rowsum(dO * O), the papers' D (here D is the head width)
         dq, dk, dv = (xp.zeros(x.shape, dtype=acc) for x in (q, k, v))
         bh = (slice(0, b), slice(0, h))
         for j0 in range(0, t, block):  # FlashAttention-2's backward: outer loop over key/value blocks
@@ -146,7 +147,7 @@ def _is_float(dtype) -> bool:  # str(dtype), 5 us in NumPy 2, only for the kinds
     return getattr(dtype, "kind", None) == "f" or str(dtype).startswith(("float", "bfloat"))
 
 
-def _check_qkv(q, k, v) -> None:  # before: NumPy's unpack, broadcast or matmul error from inside the kernel
+def _check_qkv(q, k, v) -> None:  # a named error up front, not NumPy's unpack/broadcast/matmul one from the kernel
     shapes, dtypes = [getattr(t, "shape", None) for t in (q, k, v)], [getattr(t, "dtype", None) for t in (q, k, v)]
     if len(shapes[0] or ()) != 4 or len(set(shapes)) != 1 or not all(map(_is_float, dtypes)):
         raise ValueError(f"flash_attention: q, k, v must be float (B, H, T, D) arrays of one shape, got shapes "

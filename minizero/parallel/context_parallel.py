@@ -38,7 +38,7 @@ def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 def split_for_context_parallel(x, rank: int, cp: int, axis: int):
     """Rank ``rank``'s two chunks of ``x`` along ``axis``, concatenated (new). Raises ValueError:
     2 cp does not divide it."""
-    check_rank(rank, "rank", check_int(cp, "cp", 1))  # rank -1 or cp 0 were an IndexError or a ZeroDivisionError
+    check_rank(rank, "rank", check_int(cp, "cp", 1))  # named errors, not an IndexError (rank -1) or a division by 0
     xp, s = backend.xp, x.shape[axis]
     if s % (2 * cp):
         raise ValueError(f"context parallelism needs the sequence length {s} divisible by 2 x cp = {2 * cp}")
@@ -152,7 +152,7 @@ class _RingAttention(Function):
         n, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         acc_t = lse.dtype
         g = g.astype(acc_t)
-        dsum = (g * out.astype(acc_t)).sum(axis=-1)  # D = rowsum(dO * O)
+        dsum = (g * out.astype(acc_t)).sum(axis=-1)  # rowsum(dO * O), FlashAttention's D (here D is the head width)
         dq = xp.zeros(q.shape, dtype=acc_t)
         kb, vb = k, v
         dkb, dvb = xp.zeros(k.shape, dtype=acc_t), xp.zeros(v.shape, dtype=acc_t)

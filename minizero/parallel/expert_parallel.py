@@ -143,6 +143,7 @@ def expert_groups(dp_comm, ep: int):
 
 
 def is_expert(p) -> bool:
+    """True for an expert's parameter (:func:`use_moe` sets ``p.expert`` on w1 and w2)."""
     return getattr(p, "expert", False)
 
 
@@ -156,8 +157,9 @@ class DenseAndExperts:
         self.expert_grad_factor = 1.0 if predivided else 1.0 / ep
 
     def reduce_gradients(self) -> None:
-        """Collective: each part's, dense first; then the experts' gradients (summed over the D/ep ranks that hold
-        them) times 1/ep, so both parts' are means over the D data ranks (``predivided``, FP16: sums, factor 1)."""
+        """Collective: each part's, dense first; then the experts' gradients (their part's mean over the D/ep ranks
+        that hold them) times 1/ep, so both parts' are means over the D data ranks (``predivided``, FP16: sums,
+        factor 1)."""
         for part in self.parts:
             part.reduce_gradients()
         for g in self.experts.local_grads():

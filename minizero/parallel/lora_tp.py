@@ -1,21 +1,22 @@
 """Tensor parallelism for LoRA and QLoRA adapters: Megatron's split of each base Linear carried to its adapter.
 
-Column-parallel base (c_attn with stride 3, c_fc: output rows split): B is split as the base's weight, A is
-replicated, and f (copy_to_tensor_parallel_region) sits on the rank-r bottleneck, so its backward all-reduces
-dL/d(x A^T) and A's gradient, computed from that sum and the replicated x, is the same on every tensor rank::
+Subscript i: tensor rank i's shard; r: the LoRA rank. Column-parallel base (c_attn with stride 3, c_fc: output rows
+split): B is split as the base's weight, A is replicated, and f (copy_to_tensor_parallel_region) sits on the rank-r
+bottleneck, so its backward all-reduces dL/d(x A^T) and A's gradient, computed from that sum and the replicated x, is
+the same on every tensor rank::
 
-    y_r = base_r(x) + s f(x A^T) B_r^T         x (..., in) replicated -> (..., out/tp);  B_r (out/tp, r)
+    y_i = base_i(x) + s f(x A^T) B_i^T         x (..., in) replicated -> (..., out/tp);  B_i (out/tp, r)
 
 Row-parallel base (both c_proj: input columns split): A is split by columns, B replicated; g
 (reduce_from_tensor_parallel_region) sums the partial bottlenecks in forward, identity in backward::
 
-    y = base(x_r) + s g(x_r A_r^T) B^T         x_r (..., in/tp) -> (..., out) replicated;  A_r (r, in/tp)
+    y = base(x_i) + s g(x_i A_i^T) B^T         x_i (..., in/tp) -> (..., out) replicated;  A_i (r, in/tp)
 
 One all-reduce of (..., r) per adapter (column: backward; row: forward), beside the base's of (..., in) or (..., out).
 A and B are drawn whole with the one-process generator, in module order, then sliced: the same start as one process.
 QLoRA: each rank quantizes its own shard (:class:`NF4Shard`): its runs in the whole weight's row-major order must
 be whole NF4 blocks (``nf4.shard_runs``), so each element's level and block absmax are the one-process ones; the
-block absmaxes are all-gathered (B/tp float32 per rank) and double-quantized as the whole weight's (its mean, its
+block absmaxes are all-gathered (n_blocks/tp float32 per rank) and double-quantized as the whole weight's (its mean, its
 groups of 256), so the dequantized shard is the one-process weight's rows / columns bit for bit.
 Sources: Shoeybi et al., arXiv:1909.08053, section 3; Hu et al., arXiv:2106.09685; Dettmers et al., arXiv:2305.14314.
 """
@@ -34,7 +35,7 @@ from minizero.parallel.tensor_parallel import (ColumnParallelLinear, RowParallel
 
 
 class ColumnParallelLoRAAdapter(LoRAAdapter):
-    """``s f(x A^T) B_r^T``: x (..., in) replicated -> (..., out/tp). A (r, in) replicated; B_r (out/tp, r) the
+    """``s f(x A^T) B_i^T``: x (..., in) replicated -> (..., out/tp). A (r, in) replicated; B_i (out/tp, r) the
     rows of ``whole``'s B that the base's weight shard holds (``stride``). Backward: one all-reduce of (..., r)."""
 
     def __init__(self, whole: LoRAAdapter, comm, stride: int = 1):
@@ -49,7 +50,7 @@ class ColumnParallelLoRAAdapter(LoRAAdapter):
 
 
 class RowParallelLoRAAdapter(LoRAAdapter):
-    """``s g(x_r A_r^T) B^T``: x_r (..., in/tp) -> (..., out) replicated. A_r (r, in/tp) the columns of
+    """``s g(x_i A_i^T) B^T``: x_i (..., in/tp) -> (..., out) replicated. A_i (r, in/tp) the columns of
     ``whole``'s A; B (out, r) replicated. Forward: one all-reduce of (..., r)."""
 
     def __init__(self, whole: LoRAAdapter, comm):
@@ -65,22 +66,23 @@ class RowParallelLoRAAdapter(LoRAAdapter):
 
 def _nf4_shard(weight, comm, row_parallel: bool, stride: int):
     """Collective over the tensor group: this rank's :class:`NF4Shard` of a column-parallel (out/tp, in) (Q/K/V
-    ``stride``) or row-parallel (out, in/tp) weight shard; its block absmax all-gathered (B/tp float32 per rank,
+    ``stride``) or row-parallel (out, in/tp) weight shard; its block absmax all-gathered (n_blocks/tp float32 per rank,
     traffic ``all_gather``) into the whole weight's order, for the whole weight's double quantization."""
     tp = comm.world_size
     out_f, in_f = weight.shape
     whole_shape = (out_f, in_f * tp) if row_parallel else (out_f * tp, in_f)
-    runs = shard_runs(whole_shape, stride, row_parallel, tp, comm.rank, "the adapted")
+    runs = shard_runs(whole_shape, stride, row_parallel, tp, comm.rank, "the adapted")  # (first, pitch, count, length)
     gathered = backend.xp.split(all_gather(comm, block_absmax(weight)), tp)
     if row_parallel:  # (rows, blocks per row) side by side
-        whole = unshard_arrays([g.reshape(out_f, runs[3]) for g in gathered], 1).reshape(-1)
+        blocks_per_row = runs[3]  # a row-parallel shard's run: one row's in/tp columns
+        whole = unshard_arrays([g.reshape(out_f, blocks_per_row) for g in gathered], 1).reshape(-1)
     else:  # each rank's Q, K, V runs: interleaved as the rows are
         whole = unshard_arrays(gathered, 0, stride)
     return NF4Shard(weight, whole, runs)
 
 
 class ColumnParallelNF4Linear(NF4Linear):
-    """QLoRA's frozen column-parallel shard: f(x) W~_r^T + b_r, W~_r this rank's (out/tp, in) shard as NF4
+    """QLoRA's frozen column-parallel shard: f(x) W~_i^T + b_i, W~_i this rank's (out/tp, in) shard as NF4
     (quantized as the whole weight's blocks: :func:`_nf4_shard`, a collective)."""
 
     partition_dim = 0
@@ -95,7 +97,7 @@ class ColumnParallelNF4Linear(NF4Linear):
 
 
 class RowParallelNF4Linear(NF4Linear):
-    """QLoRA's frozen row-parallel shard: g(x_r W~_r^T) + b, W~_r this rank's (out, in/tp) shard as NF4
+    """QLoRA's frozen row-parallel shard: g(x_i W~_i^T) + b, W~_i this rank's (out, in/tp) shard as NF4
     (quantized as the whole weight's blocks: :func:`_nf4_shard`, a collective)."""
 
     partition_dim, partition_stride = 1, 1

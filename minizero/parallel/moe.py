@@ -3,7 +3,8 @@
 A token-level MLP replacement: (T, C) tokens -> (T, C). Routing (per rank, on its own T tokens):
 
 * a linear router (C -> E, no bias), softmax over the E experts; each token picks its top-k experts (ties to the lower
-  index); its gate for expert e is the softmax probability p_e (not renormalised, the Switch/GShard convention);
+  index); its gate for expert e is the softmax probability p_e, not renormalised over the k (Switch's top-1 gate and
+  Megatron-Core's pre-softmax router; GShard's top-2 and Mixtral divide by the k probabilities' sum);
 * capacity C_e = ceil(capacity_factor * T * k / E) slots per expert; slots are filled first-choice
   first, then second choice, in token order (GShard section 2.2); a choice past capacity is dropped
   (that slot adds nothing; the residual carries the token); in eval mode (``module.eval()``) nothing is
@@ -20,7 +21,8 @@ with variable splits (the kept rows, grouped by expert, to the expert's owner, w
 experts run on what arrived, and the combine is the inverse all-to-all; each is an autograd Function whose backward is
 the other direction. Expert gradients thus sum over every rank's tokens; the router's gradient is this rank's own
 (all-reduce it over the data group like any replicated parameter). Bytes per rank each way: the kept rows sent to other
-ranks * C * itemsize (label ``all_to_all``), plus the counts.
+ranks * C * itemsize (label ``all_to_all``), plus the counts: the (ep, E/ep) matrix (int64, ``all_to_all``) and
+all_to_all_v's own row counts (``all_to_all_counts``).
 
 Precision: the router's and experts' products are :class:`~minizero.nn.Matmul` children, converted as every
 Linear is (bf16: BF16Matmul; fp16: float16 ``backend.matmul``). Softmax, top-k, gates and both losses run in

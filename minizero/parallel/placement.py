@@ -21,8 +21,7 @@ KINDS = ("tp", "dp", "pp")
 SETUP = ("broadcast_params", "validation")
 
 
-def _fmt(n: float) -> str:
-    return format_bytes(n)
+_fmt = format_bytes  # the table formats many byte counts
 
 
 def _per_run(snapshot: dict | None) -> float:
@@ -40,7 +39,7 @@ def _cross(comm) -> dict | None:
 def ring_vs_hierarchical(dp, topo: Topology) -> tuple[int, int]:
     """Cross-node bytes ``(ring, hierarchical)`` of one all-reduce of ``dp``'s buckets
     (hierarchical 0 for unequal nodes)."""
-    nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])
+    nodes = topo.nodes.restrict(topo.all_groups("dp")[topo.pp_rank * topo.tp + topo.tp_rank])  # this rank's group
     even = len({len(nodes.ranks_on(n)) for n in nodes.nodes}) == 1
     ring = hier = 0
     for flat, _ in (dp.buckets if dp is not None else []):
@@ -87,31 +86,39 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         raise ValueError(f"steps={steps}; allowed: >= 1")
     groups = topo.groups()
     known = _cross(topo.world) is not None
-    # one row per kind: [sent, sent across nodes]; then the world's; then the analytic ring and
-    # hierarchical figures, added by one rank of each data group (they are per group, not per rank)
+    world, data = topo.world.traffic.snapshot(), groups["dp"].traffic.snapshot()
+    # this rank's bytes by column, each a pair (sent, of which across nodes) unless noted, summed over ranks below
+    mine = {k: (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k]))) for k in KINDS}
+    mine["world"] = (_per_run(world), _per_run(_cross(topo.world)))
+    # the dp all-reduce's computed bytes across nodes (ring, hierarchical): per data group, so one rank of each adds
     ring, hier = ring_vs_hierarchical(dp, topo) if topo.dp_rank == 0 else (0, 0)
-    row = [v for k in KINDS for v in (_per_run(groups[k].traffic.snapshot()), _per_run(_cross(groups[k])))]
-    row += [_per_run(topo.world.traffic.snapshot()), _per_run(_cross(topo.world)), ring * steps, hier * steps]
-    row += [_label(groups["dp"].traffic.snapshot(), *CP_LABELS), _label(_cross(groups["dp"]), *CP_LABELS)]
-    row += [_label(groups["dp"].traffic.snapshot(), *NOT_GRADIENTS), _label(_cross(groups["dp"]), *NOT_GRADIENTS)]
+    mine["computed"] = (ring * steps, hier * steps)
+    mine["cp"] = (_label(data, *CP_LABELS), _label(_cross(groups["dp"]), *CP_LABELS))  # or ep's all-to-alls
+    mine["not_gradients"] = (_label(data, *NOT_GRADIENTS), _label(_cross(groups["dp"]), *NOT_GRADIENTS))
     # the expert-data group's bytes are in the data group's ledger too (its parent): moved to their own row
-    row += [0.0, 0.0] if edp is None else [_per_run(s) - _label(s, *NOT_GRADIENTS)
-                                           for s in (edp.traffic.snapshot(), _cross(edp))]
-    row += [_label(topo.world.traffic.snapshot(), label) for label in SETUP]  # every group's, through its parent
-    row += [_per_run(topo.embed_comm.traffic.snapshot()), _per_run(_cross(topo.embed_comm))]  # in the pp group's too
+    mine["edp"] = (0.0, 0.0) if edp is None else tuple(_per_run(s) - _label(s, *NOT_GRADIENTS)
+                                                       for s in (edp.traffic.snapshot(), _cross(edp)))
+    mine["setup"] = tuple(_label(world, label) for label in SETUP)  # every group's, through its parent
+    mine["embed"] = (_per_run(topo.embed_comm.traffic.snapshot()), _per_run(_cross(topo.embed_comm)))  # in pp's too
     with topo.world.traffic.op("metrics"):
-        run = all_reduce(topo.world, np.array(row, dtype=np.float64))
+        summed = all_reduce(topo.world, np.array(list(mine.values()), dtype=np.float64).reshape(-1))
     if topo.world.rank != 0:
         return []
+    run = dict(zip(mine, summed.reshape(-1, 2)))  # whole bytes of the run: the rows and "other" add up before / steps
+    broadcast, validation = run.pop("setup")
+    # the dp row without the cp or ep row's all-to-alls, the agreement on the parameters used, the replica check's
+    # digests and the edp row; the pp row without the tied embedding's reduction (the embed row)
+    run["dp"] = run["dp"] - (run["cp"] + run["not_gradients"] + run["edp"])
+    run["pp"] = run["pp"] - run["embed"]
+    step = {k: v / steps for k, v in run.items()}
+
+    def cells(k):  # a row's (bytes sent, across nodes) per step
+        return _fmt(step[k][0]), _fmt(step[k][1]) if known else "?"
+
     lines = ["traffic per step, summed over ranks (group: nodes spanned, bytes sent, of which across nodes):"]
-    net = run.copy()  # whole bytes of the run: the rows' sums and the "other" remainder are exact before / steps
-    net[2:4] -= net[10:12] + net[12:14] + net[14:16]  # the dp row: without ring attention or the
-    # all-to-alls (the cp or ep row), the agreement on the parameters used, the replica check's digests, the edp row
-    net[4:6] -= net[18:20]  # the pp row: without the tied embedding's reduction (the embed row)
-    total = net / steps
-    shown, rows = [], []  # the index of each row's bytes sent (across nodes: the next): the world's rest is "other"
-    embed = topo.pp > 1 and bool(net[18] or net[19])  # ZB-V: one rank holds both ends, nothing to reduce
-    for i, k in enumerate(KINDS):
+    shown, rows = [], []  # the columns with a row: the world's rest is "other"
+    embed = topo.pp > 1 and bool(run["embed"].any())  # ZB-V: one rank holds both ends, nothing to reduce
+    for k in KINDS:
         if getattr(topo, k) == 1:
             continue
         if k == "dp" and max(cp, ep) > 1:
@@ -119,47 +126,47 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
             sub = [g[j:j + n] for g in topo.all_groups("dp") for j in range(0, len(g), n)]
             what = ("expert all-to-all" if ep > 1
                     else "ring attention" if cp_attention == "ring" else "Ulysses all-to-all")
-            rows.append((_group("ep" if ep > 1 else "cp", n, max(topo.nodes.spans(g) for g in sub)), _fmt(total[10]),
-                         _fmt(total[11]) if known else "?", what))
-            shown.append(10)
-            if topo.dp == n and not total[2]:
+            spans = max(topo.nodes.spans(g) for g in sub)
+            rows.append((_group("ep" if ep > 1 else "cp", n, spans), *cells("cp"), what))
+            shown.append("cp")
+            if topo.dp == n and not step["dp"][0]:
                 continue
         if k == "dp" and edp is not None and edp.world_size > 1:
             sub = [g[j::ep] for g in topo.all_groups("dp") for j in range(ep)]  # expert_groups' colour r % ep
-            rows.append((_group("edp", edp.world_size, max(topo.nodes.spans(g) for g in sub)), _fmt(total[14]),
-                         _fmt(total[15]) if known else "?", "expert gradients over the ranks holding the same experts"))
-            shown.append(14)
+            rows.append((_group("edp", edp.world_size, max(topo.nodes.spans(g) for g in sub)), *cells("edp"),
+                         "expert gradients over the ranks holding the same experts"))
+            shown.append("edp")
         label = "dp-cp" if k == "dp" and cp > 1 else k  # gradients go over dp x cp (Megatron-LM's dp-cp group)
-        rows.append((_group(label, getattr(topo, k), topo.nodes_spanned(k)),
-                     _fmt(total[2 * i]), _fmt(total[2 * i + 1]) if known else "?", ""))
-        shown.append(2 * i)
+        rows.append((_group(label, getattr(topo, k), topo.nodes_spanned(k)), *cells(k), ""))
+        shown.append(k)
         if k == "pp" and embed:
-            rows.append((_group("embed", 2, topo.nodes_spanned("embed")), _fmt(total[18]),
-                         _fmt(total[19]) if known else "?", "the tied embedding's gradient"))
-            shown.append(18)
-    other_sent = (net[6] - sum(net[i] for i in shown)) / steps
-    other = (net[7] - sum(net[i + 1] for i in shown)) / steps
+            rows.append((_group("embed", 2, topo.nodes_spanned("embed")), *cells("embed"),
+                         "the tied embedding's gradient"))
+            shown.append("embed")
+    other_sent, other = (run["world"] - sum(run[k] for k in shown)) / steps
     if other_sent or other:  # the world's bytes in no row above: the rows add up to its total
         rows.append((f"other (all {topo.world.world_size} ranks): {counted(topo.nodes.n_nodes, 'node')},",
                      _fmt(other_sent), _fmt(other) if known else "?", "loss, norm, flags, metrics, digests"))
     lines += traffic_rows(rows)
+    sent, across = ({k: v[i] for k, v in step.items()} for i in (0, 1))
     if known and topo.nodes.n_nodes == 1:
-        lines.append(f"  world: {_fmt(total[6])} sent (one node: nothing crosses nodes)")
+        lines.append(f"  world: {_fmt(sent['world'])} sent (one node: nothing crosses nodes)")
     else:
-        cp_part = f" + {'ep' if ep > 1 else 'cp'} {_fmt(total[11])}" if max(cp, ep) > 1 else ""
-        cp_part += f" + edp {_fmt(total[15])}" if edp is not None and edp.world_size > 1 else ""
-        lines.append(f"  world: {_fmt(total[6])} sent; " + (
-            f"{_fmt(total[7])} across nodes = tp {_fmt(total[1])} + dp {_fmt(total[3])}{cp_part} + pp {_fmt(total[5])} "
-            f"{f'+ embed {_fmt(total[19])} ' if embed else ''}+ other {_fmt(other)}" if known
-            else "? across nodes"))
-    setup = f"; start-up broadcast of the parameters {_fmt(run[16])}" if run[16] else ""
-    lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(run[17])} (before the first "
+        cp_part = f" + {'ep' if ep > 1 else 'cp'} {_fmt(across['cp'])}" if max(cp, ep) > 1 else ""
+        cp_part += f" + edp {_fmt(across['edp'])}" if edp is not None and edp.world_size > 1 else ""
+        embed_part = f"+ embed {_fmt(across['embed'])} " if embed else ""
+        lines.append(f"  world: {_fmt(sent['world'])} sent; " + (
+            f"{_fmt(across['world'])} across nodes = tp {_fmt(across['tp'])} + dp {_fmt(across['dp'])}{cp_part} "
+            f"+ pp {_fmt(across['pp'])} {embed_part}+ other {_fmt(other)}" if known else "? across nodes"))
+    setup = f"; start-up broadcast of the parameters {_fmt(broadcast)}" if broadcast else ""
+    lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(validation)} (before the first "
                            f"step, each periodic one, the end){setup}", 100, initial_indent="  ",
                            subsequent_indent="    ")
     if dp is not None and topo.dp > 1 and topo.nodes.n_nodes > 1:  # on one node nothing crosses
+        flat_ring, hierarchical = step["computed"]
         lines.append(f"  dp gradient all-reduce ({algorithm}) across nodes per step: "
-                     f"{_fmt(total[3]) if known else '?'}; computed: flat ring {_fmt(total[8])}, "
-                     f"hierarchical {_fmt(total[9])} ({counted(topo.nodes.n_nodes, 'node')})")
+                     f"{_fmt(across['dp']) if known else '?'}; computed: flat ring {_fmt(flat_ring)}, "
+                     f"hierarchical {_fmt(hierarchical)} ({counted(topo.nodes.n_nodes, 'node')})")
     if not known:
         lines.append("  (across nodes: unknown, the world communicator does not know its nodes)")
     return [cut for line in lines for cut in _wrapped(line)]
