@@ -131,3 +131,23 @@ def test_a_leaf_root_and_a_none_contribution():
     y.register_post_accumulate_grad_hook(lambda t: calls.append(t.grad))
     _NoGradForA.apply(y).sum().backward()
     assert calls == [None] and y.grad is None
+
+
+def test_dropout_scale_above_one_half_and_the_config_refuses_p_rounding_to_one():
+    """Inverted dropout scales kept elements by 1/(1 - p) for any p (the other tests use p <= 1/2); GPTConfig itself
+    refuses a p whose float32 is 1 (the command line and the weights file check it apart)."""
+    import pytest
+    from minizero.autograd import functional as F
+    from minizero.nn import GPTConfig
+    A.manual_seed(4)
+    x = Tensor(np.full((50, 40), 3.0), requires_grad=True)
+    y = F.dropout(x, 0.75)
+    keep = y.data != 0
+    assert 0.2 < keep.mean() < 0.3
+    np.testing.assert_array_equal(y.data[keep], 12.0)
+    y.backward(np.ones((50, 40)))
+    np.testing.assert_array_equal(x.grad, keep * 4.0)
+    A.manual_seed(0)
+    GPTConfig(dropout=0.99999994).validate()
+    with pytest.raises(ValueError, match="at most 0.99999994"):
+        GPTConfig(dropout=0.999999999).validate()
