@@ -139,13 +139,17 @@ def test_each_row_is_its_own_philox_stream_across_draw_blocks():
 
 
 def test_residual_projections_start_at_std_002_over_sqrt_2L():
-    """GPT-2's rule, the drawn weights' spread included: c_proj N(0, (0.02/sqrt(2L))^2), other matrices N(0, 0.02^2).
-    (Round-2 mutant: 0.02/sqrt(L) passed every other test.)"""
+    """GPT-2's rule, the drawn weights' spread included: c_proj N(0, (0.02/sqrt(2L))^2), other matrices N(0, 0.02^2),
+    layer-norm weights 1, biases 0. (Round-2 mutant: 0.02/sqrt(L) passed every other test; a later one: layer-norm
+    weights drawn as zeros.)"""
     from minizero.nn.init import rule
     cfg = get_config("small", n_layer=3)
     assert rule("transformer.h.0.mlp.c_proj.weight", 2, 3) == ("normal", 0.02 / np.sqrt(6))
     assert rule("transformer.h.0.attn.c_attn.weight", 2, 3) == ("normal", 0.02)
     w = dict(GPT(cfg, seed=1).named_parameters())
+    for name, p in w.items():  # layer norms start at weight 1, every bias at 0 (a meta GPT draws the same rules)
+        if p.ndim == 1:
+            assert (p.data == (1.0 if name.endswith(".weight") else 0.0)).all(), name
     for name, std in [("transformer.h.2.mlp.c_proj.weight", 0.02 / np.sqrt(6)),
                       ("transformer.h.2.attn.c_proj.weight", 0.02 / np.sqrt(6)),
                       ("transformer.h.2.mlp.c_fc.weight", 0.02)]:

@@ -17,7 +17,11 @@ C = math.sqrt(2.0 / math.pi)
 @pytest.fixture(params=[kernels.BLOCK_ELEMENTS, 50, 1], ids=["blocks", "uneven-blocks", "one-element-blocks"])
 def blocks(request, monkeypatch):
     """The kernels' block size: as shipped (one block for these small arrays), 50 elements (blocks of a row or two,
-    the last one short) and 1 (one row per block)."""
+    the last one short) and 1 (one row per block); the last two blocked from any size (before: BLOCKED_FROM stayed
+    at 4 x 65536 elements, so these small arrays ran as one block whatever the block size, the blocked loops
+    untested)."""
+    if request.param != kernels.BLOCK_ELEMENTS:
+        monkeypatch.setattr(kernels, "BLOCKED_FROM", 0)
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", request.param)
 
 
