@@ -1,5 +1,7 @@
 """Gradients and values on paths tests/test_autograd.py leaves out, each found by a mutation audit of the autograd
 and model core (a planted fault that every other test let through): float64, finite differences or exact values."""
+import operator
+
 import numpy as np
 
 import minizero.autograd as A
@@ -25,6 +27,22 @@ def test_reflected_operators_keep_the_operand_order():
     x = np.arange(1.0, 5.0)
     np.testing.assert_array_equal((1.0 - Tensor(x)).data, 1.0 - x)
     np.testing.assert_array_equal((2.0 / Tensor(x)).data, 2.0 / x)
+
+
+
+def test_an_array_on_the_left_gives_a_tensor_with_its_gradient():
+    """``array - tensor`` (and +, *, /, @) went through NumPy's ufunc on an object array: an ndarray of Tensors,
+    no error, no gradient. ``__array_ufunc__ = None`` hands it to the Tensor's reflected operator."""
+    a, x = r(3, 4), r(3, 4)
+    for f in (operator.sub, operator.add, operator.mul, operator.truediv):
+        got = f(a, Tensor(x))
+        assert isinstance(got, Tensor), f.__name__
+        np.testing.assert_array_equal(got.data, f(a, x))
+    check_op(lambda t: a - t, x)
+    check_op(lambda t: a / t, np.abs(x) + 1.0)
+    b = r(2, 3)
+    check_op(lambda t: b @ t, x)
+    assert isinstance(np.float64(2.0) - Tensor(x), Tensor)
 
 
 GAMMA = 0x9E3779B97F4A7C15

@@ -158,6 +158,8 @@ class Tensor:
         backward(self, grad, retain_graph=retain_graph)
 
     # ---- operators: one elementary Function each (other operands: Tensors, arrays or scalars) ----
+    __array_ufunc__ = None  # ``array - tensor``: NumPy defers to __rsub__ (it made an object array of Tensors)
+
     def __add__(self, other):
         return self.ops.Add.apply(self, other)
 
@@ -190,6 +192,9 @@ class Tensor:
 
     def __matmul__(self, other):
         return self.ops.MatMul.apply(self, other)
+
+    def __rmatmul__(self, other):
+        return self.ops.MatMul.apply(other, self)
 
     def __getitem__(self, idx):
         return self.ops.GetItem.apply(self, idx)
