@@ -4,6 +4,7 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - the float16 gradient mean divides before the sum (collectives.py: 2 x 40000 overflows 65504 otherwise);
 - ``grad_norm(grad_scale)`` scales the norm; ``clip_grad_norm_(max_norm, norm_sq)`` takes the square root of
   the norm it is given (finetune --tp with --zero);
+- ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -32,14 +33,19 @@ def test_fp16_gradient_mean_divides_before_the_sum(n):
         np.testing.assert_array_equal(got, np.full(4, 40000.0, np.float16), err_msg=f"rank {rank}/{n}")
 
 
-def _reduced(comm, stage):
-    """Blocks(2) with one backward on a rank-dependent input, its gradients reduced: the ZeRO optimizer."""
-    model = P.Blocks(2)
-    opt = zero_optimizer(model, comm, stage, check_order=False)
+def _backward(comm, model, opt):
+    """One backward of ``model`` (Blocks) on a rank-dependent input, the gradients reduced."""
     x = np.random.default_rng(comm.rank).standard_normal((P.ROWS, P.WIDTH))
     out = model(Tensor(x), (2, 2))
     (out * out).sum().backward()
     opt.reduce_gradients()
+
+
+def _reduced(comm, stage):
+    """Blocks(2) with one backward, its gradients reduced: the ZeRO optimizer."""
+    model = P.Blocks(2)
+    opt = zero_optimizer(model, comm, stage, check_order=False)
+    _backward(comm, model, opt)
     return opt
 
 
@@ -70,3 +76,22 @@ def test_fp16_8bit_adam_stage1_on_one_rank_is_bitwise_stage0():
     for name, a in ref["params"].items():
         np.testing.assert_array_equal(got["params"][name], a, err_msg=name)
     np.testing.assert_array_equal(got["train_losses"], ref["train_losses"])
+
+
+def _after_model_zero_grad(comm):
+    model = P.Blocks(2)
+    opt = zero_optimizer(model, comm, 1, check_order=False)
+    _backward(comm, model, opt)
+    first = [g.copy() for g in opt.grad_shards()]
+    model.zero_grad()  # p.grad = None: the views of the flat buffer are gone
+    opt.zero_grad()  # points them back
+    _backward(comm, model, opt)
+    return first, opt.grad_shards()
+
+
+def test_stage1_zero_grad_points_gradients_back_after_model_zero_grad():
+    """ZeRO-1's RuntimeError says to use ZeroOptimizer.zero_grad(), which keeps the flat buffer: after a
+    model.zero_grad() it makes p.grad views of the buffer again, so the next backward reduces the same shards."""
+    for first, again in run_in_threads(2, _after_model_zero_grad):
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(b, a)
