@@ -4,6 +4,7 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - the float16 gradient mean divides before the sum (collectives.py: 2 x 40000 overflows 65504 otherwise);
 - ``grad_norm(grad_scale)`` scales the norm; ``clip_grad_norm_(max_norm, norm_sq)`` takes the square root of
   the norm it is given (finetune --tp with --zero);
+- stages 1-2's set-up all-gather (redundant when every rank has the same init, as the trainer's);
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
@@ -95,3 +96,24 @@ def test_stage1_zero_grad_points_gradients_back_after_model_zero_grad():
     for first, again in run_in_threads(2, _after_model_zero_grad):
         for a, b in zip(first, again):
             np.testing.assert_array_equal(b, a)
+
+
+def _set_up(comm, stage):
+    model = P.Blocks(2)
+    for p in model.parameters():  # ranks that disagree: the set-up all-gather makes each owner's values everyone's
+        p.data = p.data + comm.rank
+    opt = zero_optimizer(model, comm, stage, check_order=False)
+    return {n: p.data.copy() for n, p in model.named_parameters()}, opt.bytes_sent["setup"], opt.shard_map
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_set_up_gathers_every_owners_shard(stage):
+    """Stages 1-2 start with one all-gather per unit (``setup``): every rank then holds each element as its owner."""
+    got = run_in_threads(2, _set_up, stage)
+    sm, ref = got[0][2], dict(P.Blocks(2).named_parameters())
+    for i, unit in enumerate(sm.units):
+        for name, shape, off in zip(unit.param_names, unit.shapes, unit.offsets):
+            want = ref[name].data.reshape(-1) + (off + np.arange(np.prod(shape)) >= unit.padded // 2)
+            for rank, (params, sent, _) in enumerate(got):
+                np.testing.assert_array_equal(params[name].reshape(-1), want, err_msg=f"rank {rank}: {name}")
+    assert all(sent > 0 for _, sent, _ in got)
