@@ -6,15 +6,18 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
   the norm it is given (finetune --tp with --zero);
 - stages 1-2's set-up all-gather (redundant when every rank has the same init, as the trainer's);
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
+- ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
 import pytest
 
-from minizero.autograd import Tensor
+from minizero.autograd import Tensor, no_grad
 from minizero.comm import run_in_threads
+from minizero.nn import GPT, get_config
 from minizero.zero import Unit, zero_optimizer
 from minizero.zero.collectives import PHASES, UnitCollectives, UnitState
+from minizero.zero.stage3 import is_placeholder
 from tests.mpi_scripts import partial_units_check as P
 from tests.mpi_scripts import zero_check
 
@@ -117,3 +120,51 @@ def test_set_up_gathers_every_owners_shard(stage):
             for rank, (params, sent, _) in enumerate(got):
                 np.testing.assert_array_equal(params[name].reshape(-1), want, err_msg=f"rank {rank}: {name}")
     assert all(sent > 0 for _, sent, _ in got)
+
+
+def _forward_inside_full_parameters(comm):
+    model = P.Blocks(2)
+    opt = zero_optimizer(model, comm, 3, check_order=False)
+    x = np.random.default_rng(comm.rank).standard_normal((P.ROWS, P.WIDTH))
+    with opt.full_parameters():
+        sent = opt.bytes_sent["gather_full"] + opt.bytes_sent["gather_no_grad"]
+        with no_grad():
+            model(Tensor(x), (2, 2))  # sampling inside full_parameters (train.py's report)
+        held = [not is_placeholder(p.data) for p in model.parameters()]
+        values = {n: p.data.copy() for n, p in model.named_parameters()}
+        again = opt.bytes_sent["gather_full"] + opt.bytes_sent["gather_no_grad"] - sent
+    return held, values, again
+
+
+def test_stage3_forward_inside_full_parameters_keeps_them_gathered():
+    """Inside full_parameters() a module's forward hook frees nothing: after a forward every parameter still holds
+    its full values and nothing was gathered again."""
+    ref = dict(P.Blocks(2).named_parameters())
+    for held, values, again in run_in_threads(2, _forward_inside_full_parameters):
+        assert all(held) and again == 0
+        for name, p in ref.items():
+            np.testing.assert_array_equal(values[name], p.data, err_msg=name)
+
+
+def _step_with_a_unit_left_gathered(comm, touch):
+    model = GPT(get_config("tiny", dtype="float64"))
+    opt = zero_optimizer(model, comm, 3, check_order=False, lr=1e-2)
+    idx = np.random.default_rng(comm.rank).integers(0, model.config.vocab_size, (2, 8))
+    _, loss = model(idx, idx)
+    loss.backward()
+    opt.reduce_gradients()
+    if touch:
+        with no_grad():
+            model.transformer["wte"](idx)  # the tied unit's first use only: it stays gathered (one use left)
+    opt.step()
+    with opt.full_parameters():
+        return {n: p.data.copy() for n, p in model.named_parameters()}
+
+
+def test_stage3_step_drops_a_unit_still_gathered():
+    """A unit still gathered at step() (the tied embedding after its first use alone) is freed there, so what is
+    read next is the updated shards', not the stale gathered copy."""
+    for plain, touched in zip(run_in_threads(2, _step_with_a_unit_left_gathered, False),
+                              run_in_threads(2, _step_with_a_unit_left_gathered, True)):
+        for name, a in plain.items():
+            np.testing.assert_array_equal(touched[name], a, err_msg=name)
