@@ -6,7 +6,8 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
   the norm it is given (finetune --tp with --zero);
 - stages 1-2's set-up all-gather (redundant when every rank has the same init, as the trainer's);
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
-- ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered;
+- ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered and refuses
+  to run inside ``full_parameters()``; a freed unit leaves the pack hook's table;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -168,3 +169,25 @@ def test_stage3_step_drops_a_unit_still_gathered():
                               run_in_threads(2, _step_with_a_unit_left_gathered, True)):
         for name, a in plain.items():
             np.testing.assert_array_equal(touched[name], a, err_msg=name)
+
+
+def _step_inside(comm):
+    opt = _reduced(comm, 3)
+    with opt.full_parameters(), pytest.raises(RuntimeError, match=r"step\(\) inside full_parameters"):
+        opt.step()
+    return opt.step_count
+
+
+def test_stage3_refuses_a_step_inside_full_parameters():
+    assert run_in_threads(2, _step_inside) == [0, 0]
+
+
+def _handles_left(comm):
+    opt = _reduced(comm, 3)
+    return len(opt._gathered)
+
+
+def test_stage3_forgets_freed_units_for_the_pack_hook():
+    """Freeing a unit drops its parameters from the pack hook's table (otherwise it grows by every gather, and each
+    saved array is looked up against all of it)."""
+    assert run_in_threads(2, _handles_left) == [0, 0]
