@@ -7,7 +7,7 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - stages 1-2's set-up all-gather (redundant when every rank has the same init, as the trainer's);
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
 - ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered and refuses
-  to run inside ``full_parameters()``; a freed unit leaves the pack hook's table;
+  to run inside ``full_parameters()``, which frees every unit on leaving; a freed unit leaves the pack hook's table;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -175,11 +175,13 @@ def _step_inside(comm):
     opt = _reduced(comm, 3)
     with opt.full_parameters(), pytest.raises(RuntimeError, match=r"step\(\) inside full_parameters"):
         opt.step()
-    return opt.step_count
+    freed = all(is_placeholder(p.data) for st in opt.units for p in st.params)
+    opt.step()  # outside again: allowed
+    return freed, opt.step_count
 
 
-def test_stage3_refuses_a_step_inside_full_parameters():
-    assert run_in_threads(2, _step_inside) == [0, 0]
+def test_stage3_refuses_a_step_inside_full_parameters_and_frees_on_leaving():
+    assert run_in_threads(2, _step_inside) == [(True, 1), (True, 1)]
 
 
 def _handles_left(comm):
