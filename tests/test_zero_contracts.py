@@ -8,6 +8,7 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
 - ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered and refuses
   to run inside ``full_parameters()``, which frees every unit on leaving; a freed unit leaves the pack hook's table;
+- a parameter that ends on a shard boundary gives its neighbour rank no empty piece (shards.py);
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from minizero.autograd import Tensor, no_grad
 from minizero.comm import run_in_threads
 from minizero.nn import GPT, get_config
-from minizero.zero import Unit, zero_optimizer
+from minizero.zero import ShardMap, Unit, zero_optimizer
 from minizero.zero.collectives import PHASES, UnitCollectives, UnitState
 from minizero.zero.stage3 import is_placeholder
 from tests.mpi_scripts import partial_units_check as P
@@ -193,3 +194,11 @@ def test_stage3_forgets_freed_units_for_the_pack_hook():
     """Freeing a unit drops its parameters from the pack hook's table (otherwise it grows by every gather, and each
     saved array is looked up against all of it)."""
     assert run_in_threads(2, _handles_left) == [0, 0]
+
+
+def test_a_parameter_ending_on_a_shard_boundary_gives_no_empty_piece():
+    """Blocks' unit is 36 + 6 + 36 + 6 elements: over 2 ranks lin1.bias ends where rank 1's shard begins; rank 1
+    owns none of it, and no piece says lin1.bias[6:6] (a checkpoint would write it)."""
+    sm = ShardMap.from_model(P.Blocks(1), 2)
+    assert [(pc.param, pc.lo, pc.hi) for pc in sm.pieces(1)] == [("h.0.lin2.weight", 0, 36), ("h.0.lin2.bias", 0, 6)]
+    assert [(pc.param, pc.lo, pc.hi) for pc in sm.pieces(0)] == [("h.0.lin1.weight", 0, 36), ("h.0.lin1.bias", 0, 6)]
