@@ -8,7 +8,8 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - ZeRO-1's ``zero_grad`` points ``p.grad`` back into the flat buffer after a ``model.zero_grad()``;
 - ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered and refuses
   to run inside ``full_parameters()``, which frees every unit on leaving; a freed unit leaves the pack hook's table;
-- a parameter that ends on a shard boundary gives its neighbour rank no empty piece (shards.py);
+- a parameter that ends on a shard boundary gives its neighbour rank no empty piece (shards.py); ShardMap refuses
+  0 ranks and its text counts the padding;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -202,3 +203,11 @@ def test_a_parameter_ending_on_a_shard_boundary_gives_no_empty_piece():
     sm = ShardMap.from_model(P.Blocks(1), 2)
     assert [(pc.param, pc.lo, pc.hi) for pc in sm.pieces(1)] == [("h.0.lin2.weight", 0, 36), ("h.0.lin2.bias", 0, 6)]
     assert [(pc.param, pc.lo, pc.hi) for pc in sm.pieces(0)] == [("h.0.lin1.weight", 0, 36), ("h.0.lin1.bias", 0, 6)]
+
+
+def test_shard_map_refuses_no_ranks_and_says_its_padding():
+    with pytest.raises(ValueError, match="world_size=0; allowed: >= 1"):
+        ShardMap([], 0)
+    sm = ShardMap.from_model(P.Blocks(1), 5)  # 84 elements padded to 85
+    assert (sm.numel, sm.padded) == (84, 85)
+    assert "over N = 5 rank(s); 1 padding elements; each rank owns 17 elements" in sm.format().splitlines()[0]
