@@ -9,7 +9,7 @@ path reaches them): each test here failed with a mutant of minizero/zero/ that e
 - ZeRO-3: a forward inside ``full_parameters()`` frees nothing; ``step()`` drops a unit still gathered and refuses
   to run inside ``full_parameters()``, which frees every unit on leaving; a freed unit leaves the pack hook's table;
 - a parameter that ends on a shard boundary gives its neighbour rank no empty piece (shards.py); ShardMap refuses
-  0 ranks and its text counts the padding;
+  0 ranks, its text counts the padding and its drawing puts each column under the owning rank;
 - 8-bit Adam with FP16 master weights updates the masters (base.py's ``_step_sharded_state``).
 """
 import numpy as np
@@ -211,3 +211,9 @@ def test_shard_map_refuses_no_ranks_and_says_its_padding():
     sm = ShardMap.from_model(P.Blocks(1), 5)  # 84 elements padded to 85
     assert (sm.numel, sm.padded) == (84, 85)
     assert "over N = 5 rank(s); 1 padding elements; each rank owns 17 elements" in sm.format().splitlines()[0]
+
+
+def test_the_drawing_puts_each_column_under_its_owner():
+    """84 elements over 2 ranks in 64 columns: column c stands for element c * 84 // 64; rank 1 owns from 42 on."""
+    lines = ShardMap.from_model(P.Blocks(1), 2).draw().splitlines()
+    assert lines[2] == "  ranks   " + "0" * 32 + "1" * 32
