@@ -1,5 +1,7 @@
 """ZeRO's contracts that the equivalence runs of tests/test_zero.py cannot see (float64 hides them, or no trainer
-path reaches them): each test here failed with a mutant of minizero/zero/ that every other test let through.
+path reaches them): each test here failed with a mutant of minizero/zero/ that the ZeRO, checkpoint and technique
+tests let through (two, clipping from a given norm and leaving full_parameters(), show only indirectly elsewhere:
+test_lora_tp's weights, test_replicas' parameter list).
 
 - the float16 gradient mean divides before the sum (collectives.py: 2 x 40000 overflows 65504 otherwise);
 - ``grad_norm(grad_scale)`` scales the norm; ``clip_grad_norm_(max_norm, norm_sq)`` takes the square root of
