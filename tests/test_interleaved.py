@@ -56,6 +56,29 @@ def test_virtual_stages_are_dealt_round_robin():
     assert [rank_of_layer(8, 2, 2, i) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
+def test_v_shape_placement_and_each_chunks_neighbours():
+    """Round robin: rank r holds c*pp + r; ZB-V: r and 2pp-1-r. Every virtual stage on exactly one rank, and each
+    chunk sends to the ranks of virtual stages k-1 and k+1 (before, only the slow pipeline runs checked the V)."""
+    from minizero.nn import GPT, get_config
+    from minizero.parallel.interleaved import interleave, rank_of_virtual_stage, virtual_stages_of
+
+    assert [virtual_stages_of(r, 3, 2, v_shape=True) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    assert [rank_of_virtual_stage(k, 3, v_shape=True) for k in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [virtual_stages_of(r, 2, 3) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    for pp, v, vs in ((2, 2, True), (3, 2, True), (2, 3, False), (3, 2, False)):
+        ks = [k for r in range(pp) for k in virtual_stages_of(r, pp, v, vs)]
+        assert sorted(ks) == list(range(pp * v))
+        assert all(rank_of_virtual_stage(k, pp, vs) == r for r in range(pp) for k in virtual_stages_of(r, pp, v, vs))
+    model = GPT(get_config("tiny", n_layer=4), seed=1)
+    links = {vs: [[(c.stage, c.prev_rank, c.next_rank) for c in interleave(model, r, 2, 2, vs)] for r in range(2)]
+             for vs in (True, False)}
+    assert links[True] == [[(0, None, 1), (3, 1, None)], [(1, 0, 1), (2, 1, 0)]]
+    assert links[False] == [[(0, None, 1), (2, 1, 1)], [(1, 0, 0), (3, 0, None)]]
+    # the V has 2 chunks whatever v says (build_stage passes v = 1 for zb-v): 4 virtual stages, not 2
+    assert [[(c.stage, c.num_stages) for c in interleave(model, r, 2, 1, True)] for r in range(2)] == [
+        [(0, 4), (3, 4)], [(1, 4), (2, 4)]]
+
+
 def test_a_pipeline_stage_and_an_interleaved_stage_answer_the_engine_alike():
     """The engine and context parallelism read ``stage.chunks`` and ``stage.v_shape`` of either kind of stage."""
     from minizero.nn import GPT, get_config

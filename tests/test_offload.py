@@ -224,3 +224,22 @@ def test_a_buffer_packed_each_forward_is_watched_once():
         y.backward()
         counts.append(sum(isinstance(o, weakref.finalize) for o in gc.get_objects()))
     assert counts[1:] == counts[:-1], counts
+
+
+def test_parameters_saved_in_forward_stay_and_only_activations_are_offloaded():
+    """A saved weight is the parameter itself: pack returns it (no copy, no bytes counted); an activation array of
+    the same bytes is copied out. (A mutant keeping "gradients" instead of "parameters" offloaded every weight.)"""
+    from minizero.ledger import MemoryLedger, set_ledger
+    from minizero.nn.module import Parameter
+
+    set_ledger(MemoryLedger())
+    try:
+        w = Parameter(np.ones((16, 16)))  # 2 KiB, tracked as "parameters"
+        act = np.ones((16, 16))
+        off = ActivationOffload("cpu")
+        assert off.pack(w.data) is w.data and off.bytes_offloaded == 0
+        packed = off.pack(act)
+        assert packed is not act and off.bytes_offloaded == act.nbytes
+        np.testing.assert_array_equal(off.unpack(packed), act)
+    finally:
+        set_ledger(MemoryLedger())

@@ -127,7 +127,8 @@ def _final_weights(n, flags):
     (4, ["--dtype", "float32"]),
     (2, ["--dtype", "float64", "--zero", "2"]),
     (4, ["--dtype", "float64", "--dp", "2", "--pp", "2"]),
-], ids=["dp2-f32-accum3", "dp4-f64-accum2", "dp4-f32", "zero2", "dp2-pp2"])
+    (4, ["--dtype", "float64", "--dp", "2", "--pp", "2", "--bucket-mb", "64"]),
+], ids=["dp2-f32-accum3", "dp4-f64-accum2", "dp4-f32", "zero2", "dp2-pp2", "dp2-pp2-one-bucket"])
 def test_overlap_gives_bitwise_the_weights_of_no_overlap(n, flags):
     """(ZeRO-3: test_zero3_prefetch_and_reduce_scatters_are_in_flight_only_with_overlap compares its weights; dp 2
     without accumulation in float64 repeated the paths of dp 4's cases.)"""
@@ -393,3 +394,16 @@ def test_zero2_overlapped_reduce_scatter_under_mpiexec_is_bitwise_and_overlaps_b
         bwd = trace.intervals(events, r, lambda e: e["cat"] == "backward")
         assert rs and trace.covered_us(rs, bwd) > 0, f"rank {r}: no reduce-scatter in flight during backward"
     assert not [e for e in events_off if e["tid"] == trace.IN_FLIGHT]
+
+
+@pytest.mark.timeout(120)
+def test_the_overlapped_reducer_refuses_a_step_of_no_micro_batches_on_every_rank():
+    """begin_step(0) would wait for hooks that never fire: refused, naming the value and what is allowed."""
+    def rank(comm):
+        s = train(parse_args(BASE + ["--dtype", "float64"], world_size=2, quiet=True), comm, log=lambda s: None)
+        with pytest.raises(ValueError, match=r"micro_steps=0; allowed: >= 1"):
+            s["strategy"].reducer.begin_step(0)
+        s["strategy"].reducer.begin_step(1)
+        return s["strategy"].reducer.micro_steps
+
+    assert run_in_threads(2, rank) == [1, 1]

@@ -298,3 +298,56 @@ def test_the_header_names_the_recomputed_blocks_with_an_ordinal():
     topo = NS(dp=1, tp=1, pp=1, describe_nodes=lambda: "", placement_warnings=lambda: [])
     text = " ".join(header_lines(args, get_config("tiny"), NS(topo=topo, cp=1, opt=None), 1))
     assert "activation recompute full (every 7th block: block 0 of the model's 2)" in text, text
+
+
+def test_recompute_puts_no_activation_gradient_in_the_ledgers_gradients():
+    """The gradients' peak under recompute is the plain run's, byte for byte: the rerun's input gradients are
+    activation gradients (``grad_category`` None), not parameter gradients."""
+    def gradient_peak(mode):
+        ledger = set_ledger(MemoryLedger())
+        try:
+            cfg = get_config("tiny", dtype="float64", dropout=0.0)
+            model = GPT(cfg, seed=1)
+            apply_recompute(model, mode, 1)
+            x = np.random.default_rng(0).integers(0, 256, (2, cfg.block_size))
+            model(x, x)[1].backward()
+            return ledger.peak["gradients"], sum(p.grad.nbytes for p in model.parameters())
+        finally:
+            set_ledger(MemoryLedger())
+
+    none = gradient_peak("none")
+    assert none[0] == none[1]  # every parameter's gradient, nothing else
+    assert gradient_peak("full") == gradient_peak("selective") == none
+
+
+def test_recomputed_blocks_names_the_blocks_apply_recompute_wraps():
+    """Including the last block when n_blocks - 1 is a multiple of ``every`` (12 blocks, every 11: 0 and 11)."""
+    from minizero.memory.recompute import recomputed_blocks
+
+    model = GPT(get_config("deep", dtype="float32"), seed=0)  # 12 blocks
+    assert apply_recompute(model, "full", 11) == ["transformer.h.0", "transformer.h.11"]
+    assert recomputed_blocks(12, 11) == "blocks 0, 11"
+    assert [recomputed_blocks(n, k) for n, k in ((1, 1), (5, 2), (5, 7), (16, 3))] == [
+        "block 0", "blocks 0, 2, 4", "block 0", "blocks 0, 3, 6, ..., 15"]
+
+
+def test_checkpoint_records_no_graph_in_forward_and_records_one_in_the_recompute():
+    """forward runs ``fn`` under no_grad (no saves kept, nothing to free); backward's rerun records the graph it
+    differentiates. Gradients are the plain function's, float64 bitwise."""
+    from minizero.autograd import is_grad_enabled
+
+    w = Parameter(np.random.default_rng(0).standard_normal((3, 3)))
+    x = Tensor(np.random.default_rng(1).standard_normal((2, 3)), requires_grad=True)
+    seen = []
+
+    def fn(t):
+        seen.append(is_grad_enabled())
+        return (t @ w).tanh().sum()
+
+    checkpoint(fn, x).backward()
+    gx, gw = x.grad.copy(), w.grad.copy()
+    assert seen == [False, True]
+    x.grad = w.grad = None
+    fn(x).backward()
+    np.testing.assert_array_equal(gx, x.grad)
+    np.testing.assert_array_equal(gw, w.grad)
