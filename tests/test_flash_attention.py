@@ -76,6 +76,14 @@ def test_bad_block_is_refused_naming_the_value(bad):
         flash_attention(x, x, x, bad)
 
 
+def test_a_numpy_integer_block_is_taken_as_recompute_every_is():
+    """np.int64(8) was refused as not an integer (recompute's ``every`` took it): a plain int 8 now."""
+    got = check_block(np.int64(8))
+    assert got == 8 and type(got) is int
+    with pytest.raises(ValueError, match="positive integer"):
+        check_block(np.int64(0))
+
+
 def _layer_bytes(cfg, b, mode, attention):
     set_ledger(MemoryLedger())
     stage = PipelineStage(GPT(cfg, seed=0), 0, 1)

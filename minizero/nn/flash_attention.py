@@ -7,6 +7,7 @@ Source: Dao et al., arXiv:2205.14135; FlashAttention-2, arXiv:2307.08691, algori
 from __future__ import annotations
 
 import math
+import numbers
 
 from minizero import backend
 from minizero.autograd import Function, Tensor
@@ -137,10 +138,10 @@ def causal_mask(n: int):
 
 
 def check_block(block) -> int:
-    """``block`` as an int. Raises: ValueError naming the value unless it is a positive integer."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    """``block`` as an int. Raises: ValueError naming the value unless it is a positive integer (NumPy's too)."""
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 1:
         raise ValueError(f"the attention block must be a positive integer (rows per query/key block), got {block!r}")
-    return block
+    return int(block)
 
 
 def _is_float(dtype) -> bool:  # str(dtype), 5 us in NumPy 2, only for the kinds other than 'f' (ml_dtypes' 'V')
