@@ -209,9 +209,12 @@ def test_native_collectives_count_the_bytes_across_nodes_that_minizeros_own_send
                 crossed[op, native] = comm.cross_node.snapshot()["by_op"].get(op, 0) - before
         return crossed
 
-    for crossed in run_in_threads(len(layout), body, timeout=30):
+    got = run_in_threads(len(layout), body, timeout=30)
+    for crossed in got:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
             assert crossed[op, True] == crossed[op, False], (op, crossed)
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):  # not two zeros agreeing
+        assert sum(crossed[op, False] for crossed in got) > 0, (op, got)
 
 
 # --------------------------------------------------------------------------- MPI messages at their edges

@@ -29,7 +29,6 @@ def test_reflected_operators_keep_the_operand_order():
     np.testing.assert_array_equal((2.0 / Tensor(x)).data, 2.0 / x)
 
 
-
 def test_an_array_on_the_left_gives_a_tensor_with_its_gradient():
     """``array - tensor`` (and +, *, /, @) went through NumPy's ufunc on an object array: an ndarray of Tensors,
     no error, no gradient. ``__array_ufunc__ = None`` hands it to the Tensor's reflected operator."""

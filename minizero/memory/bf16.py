@@ -46,7 +46,8 @@ def round_bf16(x):
 class _BF16Linear(Function):
     """y = bf16(bf16(x) bf16(W)^T + b): x (..., in), W (out, in), b (out,) or None, all float32 -> (..., out).
 
-    Saves bf16(x) and bf16(W) as uint16 (2 bytes per element). Backward: g rounded to bf16, then dx, dW, db each.
+    Saves bf16(x) and bf16(W) as uint16 (2 bytes per element). Backward: g rounded to bf16; dx, dW, db from it,
+    each rounded to bf16.
     """
 
     @staticmethod

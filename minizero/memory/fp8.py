@@ -154,8 +154,9 @@ class ScaledCast:
 
 
 class _FP8Linear(Function):
-    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation): x (..., in), W (out, in), b (out,) or None, float32 ->
-    (..., out) float32; backward: g8 = g cast to E5M2, dx = g8 fp8(W), dW = g8^T fp8(x), db = sum g unquantised.
+    """y = fp8(x) fp8(W)^T + b (E4M3, FP32 accumulation): x (..., in), W (out, in), casts ({"x", "w", "g"}:
+    :class:`ScaledCast`), b (out,) or None, float32 -> (..., out) float32; backward: g8 = g cast to E5M2,
+    dx = g8 fp8(W), dW = g8^T fp8(x), db = sum g unquantised.
     Saves the 8-bit codes of x and W (1 byte per element) and their scales.
     """
 

@@ -20,7 +20,7 @@ from minizero.optim.used_parameters import used_anywhere
 def mean_per_step(total: float, steps: int) -> float:
     """``total`` bytes over ``steps`` steps; 0.0 over no steps. Raises ValueError for a negative ``steps``."""
     if steps < 0:
-        raise ValueError(f"steps={steps}: allowed 0 or more")
+        raise ValueError(f"steps={steps}; allowed: >= 0")
     return total / steps if steps else 0.0
 
 
