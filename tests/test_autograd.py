@@ -310,3 +310,16 @@ def test_backward_refuses_a_grad_of_another_shape():
     assert a.grad is None
     (a * 1).backward([[1, 2, 3], [4, 5, 6]])  # an array-like converts, as Tensor(data) does
     np.testing.assert_array_equal(a.grad, [[1, 2, 3], [4, 5, 6]])
+
+
+@pytest.mark.parametrize("p", [Tensor(np.full((2, 3), 2.0), requires_grad=True), np.full((2, 3), 2.0), "2", None])
+def test_pow_refuses_an_exponent_that_is_not_a_real_scalar(p):
+    """A Tensor exponent got no gradient (silently) and an array one could broadcast past the base's shape (found
+    only in backward): both are refused by name before any work; NumPy's scalars pass."""
+    x = Tensor(np.full((2, 3), 3.0), requires_grad=True)
+    with pytest.raises(ValueError, match=r"Tensor \*\* p: p must be a real scalar \(int or float, NumPy's too\), got "
+                                         + ("Tensor of shape" if isinstance(p, Tensor) else
+                                            "ndarray of shape" if isinstance(p, np.ndarray) else "")):
+        x ** p
+    (x ** np.int64(2) + x ** np.float16(0.5)).sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * 3.0 + 0.5 / np.sqrt(3.0), rtol=1e-12)

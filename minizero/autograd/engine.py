@@ -8,6 +8,7 @@ last contribution. Mirrors: ``torch.autograd.Function``, ``torch.no_grad``, ``sa
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 
 from minizero import backend
@@ -187,7 +188,10 @@ class Tensor:
     def __neg__(self):
         return self.ops.Neg.apply(self)
 
-    def __pow__(self, p):
+    def __pow__(self, p):  # a Tensor exponent got no gradient; an array one broadcast past the base's shape
+        if not isinstance(p, numbers.Real):
+            raise ValueError(f"Tensor ** p: p must be a real scalar (int or float, NumPy's too), got "
+                             f"{f'{type(p).__name__} of shape {p.shape}' if hasattr(p, 'shape') else repr(p)}")
         return self.ops.Pow.apply(self, p)
 
     def __matmul__(self, other):
