@@ -5,6 +5,7 @@ lines, ``none`` nothing. A log line: step, loss, lr, tok/s, elapsed, ETA (and FP
 """
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 
@@ -35,19 +36,22 @@ class Progress:
         fp16: add the loss scale and the skipped-step count to each line.
         out: the stream (default ``sys.stdout``).  start_step: first step (a resumed run).
     Raises:
-        ValueError: ``mode`` not in :data:`MODES`.
+        ValueError: ``mode`` not in :data:`MODES`; ``every`` not None or an integer >= 0.
     """
 
     def __init__(self, mode: str, total: int, tokens_per_step: int, every: int | None = None, fp16: bool = False,
                  out=None, start_step: int = 0):
         if mode not in MODES:
             raise ValueError(f"progress mode {mode!r}; allowed: {', '.join(MODES)}")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 0):
+            raise ValueError(f"every={every!r}; allowed: an integer >= 1 (steps between log lines), or None or 0 "
+                             f"(about 15 lines a run)")  # -3 logged every 3rd step, 2.5 every 5th
         self.out = out if out is not None else sys.stdout
         if mode == "auto":
             isatty = getattr(self.out, "isatty", None)
             mode = "bar" if isatty is not None and isatty() else "log"
         self.mode, self.total, self.tokens_per_step, self.fp16 = mode, total, tokens_per_step, fp16
-        self.every = every or default_every(total)
+        self.every = int(every) if every else default_every(total)
         self.start_step = start_step
         self.t0 = time.perf_counter()
         self.bar = None

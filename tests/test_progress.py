@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from minizero.plots import MISSING, plot_losses
@@ -89,6 +90,15 @@ def test_none_prints_nothing_and_bad_mode_raises():
     assert out.getvalue() == ""
     with pytest.raises(ValueError, match="'loud'; allowed: auto, bar, log, none"):
         Progress("loud", 10, 1)
+
+
+@pytest.mark.parametrize("every", [-3, 2.5, True, "5"])
+def test_an_every_not_an_integer_at_least_0_is_refused_by_name(every):
+    """every=-3 logged every 3rd step and 2.5 every 5th, silently; NumPy's integers pass, as plain ints."""
+    with pytest.raises(ValueError, match=re.escape(f"every={every!r}; allowed: an integer >= 1 (steps between log "
+                                                   "lines), or None or 0 (about 15 lines a run)")):
+        Progress("log", 10, 1, every=every, out=io.StringIO())
+    assert type(Progress("log", 10, 1, every=np.int64(4), out=io.StringIO()).every) is int
 
 
 def test_loss_plot(tmp_path, monkeypatch):
