@@ -1,6 +1,7 @@
 """Data parallel equals single process: N ranks x micro-batch b == one process with N*b (float64)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -161,3 +162,20 @@ def test_float16_gradients_are_divided_before_the_sum_and_do_not_overflow():
         return p.grad.tolist()
 
     assert run_in_threads(2, average) == [[40000.0] * 3] * 2
+
+
+@pytest.mark.parametrize("steps", [-1, 2.5, float("nan"), None, "3", True, np.int64(-2)])
+def test_a_step_count_not_an_integer_at_least_0_is_refused_by_name_by_every_synchroniser(steps):
+    """2.5 or nan steps divided silently and None failed on '<'; under ZeRO (its count reads no ``steps``) the
+    strategy's figure took any. NumPy's integers pass as plain ints."""
+    from types import SimpleNamespace
+
+    from minizero.parallel.data_parallel import mean_per_step
+    from minizero.parallel.strategy import Strategy
+
+    zero_like = Strategy.__new__(Strategy)  # only its synchroniser is read
+    zero_like.sync = SimpleNamespace(bytes_per_step=lambda steps=None: 7.0)
+    for call in (lambda: mean_per_step(100.0, steps), lambda: zero_like.model_state_bytes_per_step(steps)):
+        with pytest.raises(ValueError, match=f"^steps={re.escape(repr(steps))}; allowed: an integer >= 0$"):
+            call()
+    assert mean_per_step(100.0, np.int64(4)) == 25.0 and zero_like.model_state_bytes_per_step(np.int64(0)) == 7.0

@@ -8,6 +8,7 @@ Mirrors: PyTorch ``DistributedDataParallel``; Li et al. 2020, "PyTorch Distribut
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import numpy as np
 
@@ -17,10 +18,17 @@ from minizero.ledger import get_ledger
 from minizero.optim.used_parameters import used_anywhere
 
 
+def check_steps(steps) -> int:
+    """``steps`` (a count of optimizer steps) as an int. Raises ValueError naming it unless it is an integer >= 0
+    (NumPy's too; not a bool): 2.5 or nan steps divided silently, None failed on '<'."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"steps={steps!r}; allowed: an integer >= 0")
+    return int(steps)
+
+
 def mean_per_step(total: float, steps: int) -> float:
-    """``total`` bytes over ``steps`` steps; 0.0 over no steps. Raises ValueError for a negative ``steps``."""
-    if steps < 0:
-        raise ValueError(f"steps={steps}; allowed: >= 0")
+    """``total`` bytes over ``steps`` steps; 0.0 over no steps. Raises ValueError: see :func:`check_steps`."""
+    steps = check_steps(steps)
     return total / steps if steps else 0.0
 
 

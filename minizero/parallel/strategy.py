@@ -29,7 +29,7 @@ from minizero.nn.flash_attention import use_flash_attention
 from minizero.optim import AdamW
 from minizero.optim.adam8bit import Adam8bit, ShardedAdam8bit
 from minizero.parallel.context_parallel import chunk_ids, context_group, context_parallelize
-from minizero.parallel.data_parallel import DataParallel
+from minizero.parallel.data_parallel import DataParallel, check_steps
 from minizero.parallel.expert_parallel import (ExpertDataParallel, ExpertLoad, ExpertZero, aux_loss_seeder,
                                               expert_groups, gather_experts, use_moe, whole_experts)
 from minizero.parallel.overlap import OverlappedReducer, can_overlap
@@ -266,8 +266,10 @@ class Strategy:
         return kinds
 
     def model_state_bytes_per_step(self, steps: int) -> float:
-        """Bytes this rank sent per optimizer step for gradient reduction and ZeRO's parameter gathers."""
-        return self.sync.bytes_per_step(steps)
+        """Bytes this rank sent per optimizer step for gradient reduction and ZeRO's parameter gathers. Raises
+        ValueError: ``steps`` not an integer >= 0 (:func:`~minizero.parallel.data_parallel.check_steps`; ZeRO's
+        count, which reads no ``steps``, accepted any)."""
+        return self.sync.bytes_per_step(check_steps(steps))
 
 
 def build_strategy(args, comm, cfg, forward_context=None, store=None, log=print) -> Strategy:
