@@ -46,3 +46,18 @@ def test_the_ring_takes_large_buffers():
     assert all_reduce_algorithm(8, 1) == "ring"  # one rank: nothing to send either way
     n = SMALL_ALLREDUCE_MAX_BYTES // 4 + 4  # float32, just over the threshold: the ring's 2(N-1)/N
     assert bytes_sent("all_reduce", n, 4, 4, 0) == 2 * n * 4 * 3 // 4
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_bytes_sent_takes_numpy_integers_for_a_small_all_reduce_and_peers_refuse_a_rank_outside_the_world(world):
+    """bytes_sent's checks pass NumPy's integers (as its ring's and broadcast's figures took them); recursive
+    doubling's fold read int.bit_length (AttributeError). A rank outside 0..world_size - 1 was given peers
+    (rank 5 of 3: [6]; rank -1: [-3, -2]) and is refused by name."""
+    from minizero.comm.recursive_doubling import recursive_doubling_peers
+
+    got = [bytes_sent("all_reduce", np.int64(37), np.int64(8), np.int64(world), np.int64(r)) for r in range(world)]
+    assert got == [bytes_sent("all_reduce", 37, 8, world, r) for r in range(world)]
+    assert all(type(b) is int for b in got)
+    for rank in (world, -1):
+        with pytest.raises(ValueError, match=f"^rank={rank} of world_size={world}; allowed: 0 <= rank < world_size$"):
+            recursive_doubling_peers(world, rank)

@@ -48,7 +48,7 @@ def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
 def check_int(value, what: str, low: int) -> int:  # an int >= low (NumPy's too; no bool, no float)
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < low:
         raise ValueError(f"{what}={value!r}; allowed: an int >= {low}")
-    return value
+    return int(value)  # NumPy's as a plain int: recursive doubling's fold reads int.bit_length
 
 
 def check_rank(value, what: str, world_size: int) -> int:
@@ -88,10 +88,9 @@ def bytes_sent(op: str, n: int, itemsize: int, world_size: int, rank: int, root:
     """
     if op not in ("reduce_scatter", "all_gather", "all_reduce", "broadcast"):
         raise ValueError(f"op={op!r}; allowed: 'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast'")
-    check_int(n, "n", 0)
-    check_int(itemsize, "itemsize", 1)
-    check_rank(rank, "rank", check_int(world_size, "world_size", 1))
-    check_rank(root, "root", world_size)
+    n, itemsize = check_int(n, "n", 0), check_int(itemsize, "itemsize", 1)
+    world_size = check_int(world_size, "world_size", 1)
+    rank, root = check_rank(rank, "rank", world_size), check_rank(root, "root", world_size)
     def chunk(r):
         return shard_range(n, world_size, r % world_size)[1]
 

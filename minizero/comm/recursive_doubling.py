@@ -69,7 +69,10 @@ def _partners(v: int, p: int, rem: int) -> list[int]:
 
 def recursive_doubling_peers(world_size: int, rank: int) -> list[int]:
     """The ranks ``rank`` sends its whole buffer to in :func:`recursive_doubling_all_reduce_`, in order: a folded-out
-    rank its odd neighbour; the others each step's partner, then (odd ranks below 2 rem) the sum to rank - 1."""
+    rank its odd neighbour; the others each step's partner, then (odd ranks below 2 rem) the sum to rank - 1.
+    Raises ValueError: ``rank`` not in 0..world_size - 1 (rank 5 of 3 was given partner 6)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} of world_size={world_size!r}; allowed: 0 <= rank < world_size")
     if world_size == 1:
         return []
     p, rem = _fold(world_size)
