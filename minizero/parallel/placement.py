@@ -15,10 +15,12 @@ from minizero.ledger import format_bytes
 from minizero.numerals import counted, wrapped
 from minizero.optim.used_parameters import LABEL as USED
 from minizero.parallel.topology import Topology
+from minizero.zero.stage1 import SETUP_GATHER
 
 KINDS = ("tp", "dp", "pp")
-#: labels left out of "per step": sent once before training, and the validation batches' forward passes
-SETUP = ("broadcast_params", "validation")
+#: labels left out of "per step": sent once before training (data parallelism's broadcast, ZeRO-1/2's all-gather),
+#: and the validation batches' forward passes
+SETUP = ("broadcast_params", SETUP_GATHER, "validation")
 
 
 _fmt = format_bytes  # the table formats many byte counts
@@ -79,8 +81,9 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     ``ep`` > 1 (MoE's expert groups, never with cp): its own row of the all-to-alls; ``edp``: MoE's expert-data
     communicator (split from the data group; ``expert_groups``) or None: its ledger's bytes (the expert gradients'
     reduction, ZeRO's expert shards) are the ``edp`` row, taken out of the ``dp`` row, which keeps the dense
-    parameters'. Validation and the start-up broadcast (:data:`SETUP`) are left out of the rows and named in a
-    note, in bytes per run. Bytes: one small float64 all-reduce (``"metrics"``). Raises ValueError: ``steps`` < 1.
+    parameters'. Validation and the start-up broadcast or ZeRO-1/2's all-gather (:data:`SETUP`) are left out of the
+    rows and named in a note, in bytes per run. Bytes: one small float64 all-reduce (``"metrics"``). Raises
+    ValueError: ``steps`` < 1.
     """
     if steps < 1:
         raise ValueError(f"steps={steps}; allowed: >= 1")
@@ -98,14 +101,17 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
     # the expert-data group's bytes are in the data group's ledger too (its parent): moved to their own row
     mine["edp"] = (0.0, 0.0) if edp is None else tuple(_per_run(s) - _label(s, *NOT_GRADIENTS)
                                                        for s in (edp.traffic.snapshot(), _cross(edp)))
-    mine["setup"] = tuple(_label(world, label) for label in SETUP)  # every group's, through its parent
+    broadcast, gather, validation = (_label(world, label) for label in SETUP)  # every group's, through its parent
+    mine["setup"] = (broadcast + gather, validation)  # one pair: the all-reduce's size is the estimator's METRICS_ROW
+    # which start-up copy ran: rank 0, the root of every broadcast and in every all-gather, sent bytes in each
+    how = [w for w, sent in (("broadcast", broadcast), ("all-gather", gather)) if sent]
     mine["embed"] = (_per_run(topo.embed_comm.traffic.snapshot()), _per_run(_cross(topo.embed_comm)))  # in pp's too
     with topo.world.traffic.op("metrics"):
         summed = all_reduce(topo.world, np.array(list(mine.values()), dtype=np.float64).reshape(-1))
     if topo.world.rank != 0:
         return []
     run = dict(zip(mine, summed.reshape(-1, 2)))  # whole bytes of the run: the rows and "other" add up before / steps
-    broadcast, validation = run.pop("setup")
+    start, validation = run.pop("setup")
     # the dp row without the cp or ep row's all-to-alls, the agreement on the parameters used, the replica check's
     # digests and the edp row; the pp row without the tied embedding's reduction (the embed row)
     run["dp"] = run["dp"] - (run["cp"] + run["not_gradients"] + run["edp"])
@@ -158,7 +164,7 @@ def node_traffic(topo: Topology, steps: int, dp=None, algorithm: str = "ring", c
         lines.append(f"  world: {_fmt(sent['world'])} sent; " + (
             f"{_fmt(across['world'])} across nodes = tp {_fmt(across['tp'])} + dp {_fmt(across['dp'])}{cp_part} "
             f"+ pp {_fmt(across['pp'])} {embed_part}+ other {_fmt(other)}" if known else "? across nodes"))
-    setup = f"; start-up broadcast of the parameters {_fmt(broadcast)}" if broadcast else ""
+    setup = f"; start-up {' and '.join(how)} of the parameters {_fmt(start)}" if start else ""
     lines += textwrap.wrap(f"left out above, totals for the run: validation {_fmt(validation)} (before the first "
                            f"step, each periodic one, the end){setup}", 100, initial_indent="  ",
                            subsequent_indent="    ")

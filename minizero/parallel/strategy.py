@@ -41,11 +41,12 @@ from minizero.parallel.three_d import (build_stage, gather_full_model, gather_ro
 from minizero.parallel.topology import Topology
 from minizero.zero import shards_parameters, zero_optimizer
 from minizero.zero.hybrid import hybrid_groups
+from minizero.zero.stage1 import SETUP_GATHER
 
 
 #: traffic labels (``comm.traffic.op``) of the data group, by purpose
 GRADIENT_REDUCTIONS = ("all_reduce", "reduce_scatter", "quantized_reduce_scatter", "quantized_all_reduce")
-PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params")
+PARAMETER_GATHERS = ("all_gather", "quantized_all_gather", "broadcast", "broadcast_params", SETUP_GATHER)
 TRAFFIC_KINDS = ("gradient_reduction", "parameter_gathers", "pipeline_activations", "tensor_parallel_activations",
                  "context_parallel_attention", "expert_all_to_all", "validation", "other")
 VALIDATION = "validation"  #: the traffic label of :meth:`Strategy.evaluate`: every byte its forward passes send

@@ -15,9 +15,13 @@ from minizero.ledger import get_ledger
 from minizero.optim.base import whole_views
 from minizero.zero.base import ZeroOptimizer
 
+#: the traffic label of the set-up all-gather (once, before training): not a step's bytes (the traffic table's note)
+SETUP_GATHER = "setup_gather"
+
 
 class ZeroStage1(ZeroOptimizer):
-    """Stage 1 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); set-up: one all-gather per unit.
+    """Stage 1 (arguments: :class:`~minizero.zero.base.ZeroOptimizer`); set-up: one all-gather per unit (traffic label
+    :data:`SETUP_GATHER`).
 
     Raises RuntimeError (``reduce_gradients``): a ``.grad`` is no longer a view of its unit's buffer.
     """
@@ -32,7 +36,9 @@ class ZeroStage1(ZeroOptimizer):
 
     def __init__(self, model, comm, **kwargs):
         super().__init__(model, comm, **kwargs)
-        self._publish_params("setup")
+        if self.holds_full_parameters:  # stage 3 publishes nothing: its owned shard is the parameter
+            with comm.traffic.op(SETUP_GATHER):
+                self._publish_params("setup")
 
     def _build_params(self, st, lo, size, dtype):
         st.flat_param = backend.xp.zeros(st.unit.padded, dtype)
