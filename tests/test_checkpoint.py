@@ -1197,6 +1197,12 @@ def test_inspect_says_why_a_rank_file_holds_no_arrays(saved):
     text = describe(reader)
     assert "  rank 1: no arrays (a header only; RNG states are in the manifest)\n    at ZeRO 0 every data-parallel " \
         "rank holds a full replica; the lowest data rank writes it\n" in text
+    assert "tensor rank 0 writes" not in text
+    reader.manifest["layout"]["tp"] = 2  # the same files read as tensor ranks: the replica is of a part
+    text = describe(reader)
+    assert "holds a full replica of its tensor/pipeline part; the lowest data rank writes it\n" in text, text
+    assert "  what all tensor ranks hold whole (layer norms, row-parallel biases, wpe) tensor rank 0 writes" in text
+    reader.manifest["layout"]["tp"] = 1
     for pc in reader.manifest["pieces"][::2]:  # every rank holds pieces (as at ZeRO 1): no note
         pc["rank"] = 1
     assert "no arrays" not in describe(reader) and "replica" not in describe(reader)

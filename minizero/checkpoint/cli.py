@@ -80,10 +80,14 @@ def describe(reader: ShardReader) -> str:
         lines.append(f"  rank{'s' * (len(empty) > 1)} {', '.join(map(str, empty))}: no arrays (a header only; "
                      "RNG states are in the manifest)")
         if lay["zero"] == 0:
-            lines.append("    at ZeRO 0 every data-parallel rank holds a full replica; the lowest data rank writes it")
+            part = " of its tensor/pipeline part" if lay["tp"] > 1 or lay["pp"] > 1 else ""
+            lines.append(f"    at ZeRO 0 every data-parallel rank holds a full replica{part}; the lowest data rank "
+                         "writes it")
         elif (lay.get("dp_shard") or lay["dp"]) < lay["dp"]:  # hybrid sharding (zero/hybrid.py)
             lines.append(f"    hybrid sharding: ZeRO shards over groups of {lay['dp_shard']} data rank(s){cp}; the "
                          "first group writes, the others hold copies")
+    if lay["tp"] > 1:  # why a rank's bytes above are fewer than its memory ledger's parameters
+        lines.append("  what all tensor ranks hold whole (layer norms, row-parallel biases, wpe) tensor rank 0 writes")
     tied = f" ({TIED_HEAD} is tied to {TIED}: saved once)" if TIED in man["params"] else ""
     lines.append(f"  {len(man['pieces'])} pieces of {len(man['params'])} parameters{tied}"
                  + (f"; pruning masks at {man['pruning']['sparsity']:.0%}" if man.get("pruning") else ""))
