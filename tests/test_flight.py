@@ -588,6 +588,8 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     out = unwrapped(capsys.readouterr().out)  # a verdict past 120 columns goes on over an indented line
     assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
     assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00 ms/step; 1.57x rank 0's 3.50 ms/step)" in out
+    # the term the verdict uses is defined where it is used (a new user could not tell "working" from "compute")
+    assert "working = step - exposed - bubble: a rank's step less its waits on the others" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
 
@@ -625,7 +627,7 @@ def test_trace_report_reads_the_events_once_not_once_per_rank():
 
     events = Counted(_ev(p, "forward h.0", "forward", 0, 0, 10) for p in range(50))
     lines = timeline.report(events)
-    assert len(lines) == 2 + 50 + 2 and Counted.passes == 1, (Counted.passes, lines[-2:])
+    assert len(lines) == 2 + 50 + 3 and Counted.passes == 1, (Counted.passes, lines[-2:])
     assert lines[-2:] == ["no rank has working time (a forward-to-optimizer window, less its waits): no straggler to "
                           "name", "most waiting: none (no rank spent time in collectives or pipeline waits)"]
 
@@ -668,7 +670,7 @@ def test_trace_report_lines_fit_120_columns_for_the_hugest_times_and_ranks(tmp_p
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120, out
     lines = unwrapped(out)
-    assert max(map(len, lines)) > 120 and len(lines) == 2 + 2 + 2, lines  # the verdicts were wrapped, not cut
+    assert max(map(len, lines)) > 120 and len(lines) == 2 + 2 + 3, lines  # the verdicts were wrapped, not cut
     assert lines[2] == (f"| {last - 1} | 2.7021598e+13 | 1.8014399e+13 | 9.0071993e+12 | 9.0071993e+12 | "
                         "0.0000000e+00 | 0.0000000e+00 |"), lines  # a column with a time past 13 columns: all so
     assert lines[-1] == (f"most waiting: rank {last} (4,503,599,627,370.50 ms/step in collectives, "

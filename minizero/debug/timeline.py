@@ -82,6 +82,11 @@ def report(events) -> list[str]:
 
 def _verdicts(pids, figs) -> list[str]:  # the straggler and the waiter, each one line before wrapping
     working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
+    defined = "working = step - exposed - bubble: a rank's step less its waits on the others"
+    return [defined] + _straggler(pids, figs, working)
+
+
+def _straggler(pids, figs, working) -> list[str]:
     if len(pids) == 1:
         return [f"one rank: no straggler to name (working {_ms(working[pids[0]])} ms/step, compute "
                 f"{_ms(figs[pids[0]]['compute'])} ms/step)"]
