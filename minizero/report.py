@@ -171,7 +171,8 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     tree = "" if args.native_comm else ": a binomial tree from rank 0, whose leaves send nothing"
     params_sharded = shards_parameters(args.zero)  # the model needs a final gather
     gathers = [w for w, here in ((f"the start-up broadcast{tree}", not args.zero and args.dp * args.cp > 1),
-                                 ("ZeRO's gathers", args.zero and not params_sharded),
+                                 ("ZeRO's gathers, its start-up all-gather of the shards included",
+                                  args.zero and not params_sharded),
                                  ("ZeRO's gathers, its final gather for the model's copy included",
                                   params_sharded and copy),
                                  ("ZeRO's gathers; the final gather for the weights and the sample, one forward's "
