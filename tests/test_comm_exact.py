@@ -239,6 +239,8 @@ if comm.rank == 0:
     comm.sendrecv(exact + 2, 1, np.empty_like(exact), 1, tag=7)
     comm.send(np.zeros((1, 2, 3, 4, 5), np.float32), 1, tag=8)  # five dimensions: the most a header holds
     comm.send(np.zeros((2, 3), np.float32), 1, tag=9)
+    comm.isend(exact[:3] * 3, 1, tag=10).wait()
+    comm.isend(np.append(exact, np.float32(1)) * 4, 1, tag=11).wait()  # header and payload apart
 else:
     buf = np.empty_like(exact)
     attempt("send", lambda: bool(np.array_equal(comm.recv(buf, 0, tag=5), exact)))
@@ -247,6 +249,10 @@ else:
     attempt("sendrecv", lambda: bool(np.array_equal(comm.sendrecv(exact, 0, buf, 0, tag=7), exact + 2)))
     attempt("five_dims", lambda: comm.recv(np.empty((5, 4, 3, 2, 1), np.float32), 0, tag=8).shape)
     attempt("two_dims", lambda: comm.recv(np.empty((3, 2), np.float32), 0, tag=9).shape)
+    small, large = np.empty(3, np.float32), np.empty(exact.size + 1, np.float32)  # irecv's own wait(), both kinds
+    attempt("irecv_wait", lambda: (comm.irecv(small, 0, tag=10).wait(), comm.irecv(large, 0, tag=11).wait(),
+                                   bool(np.array_equal(small, exact[:3] * 3)),
+                                   bool(np.array_equal(large, np.append(exact, np.float32(1)) * 4)))[2:])
     print(json.dumps(got))
 """
 
@@ -268,6 +274,7 @@ def test_mpi_a_message_of_exactly_pack_max_bytes_and_a_transposed_five_dim_shape
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = json.loads(proc.stdout)
     assert got["send"] is True and got["isend"] is True and got["sendrecv"] is True, got
+    assert got["irecv_wait"] == [True, True], got
     assert got["split_timeout"] == 20.0, got
     for key, sent, room in [("five_dims", "(1, 2, 3, 4, 5)", "(5, 4, 3, 2, 1)"), ("two_dims", "(2, 3)", "(3, 2)")]:
         assert f"is {sent} float32, the receive buffer is {room} float32" in got[key], got

@@ -109,6 +109,27 @@ def test_irecv_refuses_a_message_of_another_dtype():
     assert run_in_threads(2, rank, timeout=30)[1]
 
 
+@pytest.mark.timeout(60)
+def test_irecv_wait_receives_and_times_out_naming_the_sender():
+    """Before: irecv's request had test() only (isend's had wait() too): ``req.wait()`` raised AttributeError."""
+    from minizero.comm.base import CommTimeoutError
+
+    def rank(comm):
+        if comm.rank == 0:
+            comm.isend(np.arange(4.0), 1, tag=5).wait()
+            comm.recv(np.empty(1), 1, tag=7)  # alive while rank 1 times out (a returned peer is another error)
+            return None
+        buf = np.empty(4)
+        comm.irecv(buf, 0, tag=5).wait()
+        comm.timeout = 0.2
+        with pytest.raises(CommTimeoutError, match=r"rank 1: irecv \(tag 6\) waited 0.2 s for rank 0"):
+            comm.irecv(np.empty(1), 0, tag=6).wait()  # never sent
+        comm.send(np.empty(1), 0, tag=7)
+        return buf.tolist()
+
+    assert run_in_threads(2, rank, timeout=30)[1] == [0.0, 1.0, 2.0, 3.0]
+
+
 # ------------------------------------------------------------------------------ bitwise, on threads
 def _final_weights(n, flags):
     def rank(comm):

@@ -139,7 +139,8 @@ class Communicator(abc.ABC):
         return self._isend(buf, dest, tag)
 
     def irecv(self, buf, source: int, tag: int = 0):
-        """Start receiving from ``source`` into ``buf`` (MPI_Irecv); ``test()`` raises ValueError on a mismatch.
+        """Start receiving from ``source`` into ``buf`` (MPI_Irecv): a request with ``test()`` and ``wait()`` (as
+        ``isend``'s); either raises ValueError on a mismatch, ``wait()`` CommTimeoutError past the timeout.
 
         Raises as ``recv``; NotImplementedError without a non-blocking transport.
         """

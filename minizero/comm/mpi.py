@@ -153,6 +153,11 @@ class _Incoming:
         return ValueError(f"rank {self.comm.rank}: {self.op} message from rank {self.source} (tag {self.tag}) is "
                           f"{got}, the receive buffer is {_describe(_header(self.buf))}; they must match")
 
+    def wait(self) -> None:
+        """Receive until ``test()`` is True, as every MPI wait here (spin, then sleep); CommTimeoutError after the
+        communicator's timeout, ValueError as ``test()``."""
+        self.comm._poll(self.test, self.op, self.source, self.tag)
+
     def test(self) -> bool:
         if not self.checked:
             try:

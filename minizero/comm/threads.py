@@ -15,7 +15,7 @@ import time
 from threadpoolctl import threadpool_limits
 
 from minizero import backend
-from minizero.comm.base import CommTimeoutError, Communicator, _check_color, timeout_message
+from minizero.comm.base import CommTimeoutError, Communicator, _check_color, poll_until, timeout_message
 from minizero.comm.collectives import check_int, shard_range
 from minizero.comm.traffic import TrafficLedger
 
@@ -116,6 +116,12 @@ class _QueueRecvRequest:
         self.buf[...] = msg
         self.done = True
         return True
+
+    def wait(self) -> None:
+        """Take the message once it is there; CommTimeoutError after the communicator's timeout."""
+        c = self.comm
+        poll_until(self.test, c.timeout, lambda: timeout_message(c.rank, c.world_size, f"irecv (tag {self.tag})",
+                                                                 c.timeout, self.source))
 
 
 class ThreadCommunicator(Communicator):
