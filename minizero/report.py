@@ -94,14 +94,15 @@ EASIER_END_FROM_SEQUENCES = 50 * 16
 
 
 def validation_lines(args, result) -> list[str]:
-    """The report's validation loss line (one line), then why it sits below the training loss, wrapped at 100
-    columns, when it does. A resumed run's time and tokens/s are this run's steps only, and it says so."""
+    """The report's validation loss line (cut at 120 columns), then why it sits below the training loss, wrapped at
+    100 columns, when it does. A resumed run's time and tokens/s are this run's steps only, and it says so."""
     val0, val = result["val_history"][0][1], result["val_history"][-1][1]
     ran = len(result["train_losses"])
     timing = f"{result['elapsed_s']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s"
     steps = counted(args.steps, "step")
-    lines = [f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
-             f"{steps}" + (f" ({thousands(ran)} in this run, {timing})" if result.start_step else f", {timing}")]
+    lines = wrap(f"validation loss: {val:.4f} nats/byte (start {val0:.4f}; ln 256 = {math.log(256):.4f}) after "
+                 f"{steps}" + (f" ({thousands(ran)} in this run, {timing})" if result.start_step else f", {timing}"),
+                 width=120)  # one line up to 120 columns (a resumed run of 400 steps at 2,226 tokens/s took 123)
     recent = [x for i, x in enumerate(result["train_losses"]) if result.start_step + i >= args.warmup][-20:]
     if not recent or val >= statistics.median(recent):  # the median: a spike in the window does not move it
         return lines

@@ -331,6 +331,19 @@ def test_a_missing_rank_file_is_reported():
     assert "rank(s) [0] wait in all_reduce #1" in lines[1] and "rank 1 left no record (no flight file)" in lines[1]
 
 
+def test_a_rank_missing_beside_files_dumped_on_sigusr1_is_said_to_be_perhaps_not_signalled():
+    """kill -USR1 of one rank's PID dumps that rank alone: the others are not "stopped or killed"."""
+    entry = {"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64", "bytes": 16,
+             "state": "completed", "posted_us": 1, "ended_us": 2, "error": None}
+    snap = {"rank": 1, "world_size": 2, "reason": "SIGUSR1", "groups": {"world": {"members": [0, 1], "last_seq": 1}},
+            "entries": [entry]}
+    lines = hang.analyze({1: snap})
+    assert lines[0] == ("missing: rank 0 wrote no flight file (not sent SIGUSR1? each rank dumps its own record: "
+                        "kill -USR1 every rank's PID)"), lines
+    assert hang.analyze({1: dict(snap, reason="CommTimeoutError: ...")})[0].endswith("(stopped or killed before it "
+                                                                                     "could)")
+
+
 # -- --debug-collectives -------------------------------------------------------------------------------------
 def test_debug_collectives_names_a_rank_that_skipped_an_all_reduce_with_both_sides():
     def fn(comm):

@@ -161,7 +161,7 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
+def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys, monkeypatch):
     """Before: consolidate wrote model.npz alone; a model of no preset's shape (--block-size 8) then could not be
     sampled ("the head count is unknown") without writing model.json by hand."""
     from minizero.checkpoint.cli import main as checkpoint_main
@@ -181,8 +181,8 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     n = len(np.load(out))
     assert capsys.readouterr().out == (f"wrote {out} and {out.parent / 'model.json'} from {step}\n  {n} tensors: "
                                        f"{n - 1} parameters, lm_head.weight tied to transformer.wte.weight\n"
-                                       f"  config: {out.parent / 'model.json'}, beside the weights; sample, quantize "
-                                       f"and finetune --weights {out} read it from there\n")
+                                       f"  config: {out.parent / 'model.json'}, beside the weights;\n"
+                                       f"  sample, quantize and finetune --weights {out} read it from there\n")
     texts = []
     for weights in (run / "model.npz", out):  # the checkpoint of the last step is the run's model
         assert sample_main(["--weights", str(weights), "--tokens", "20"]) == 0
@@ -190,7 +190,10 @@ def test_consolidate_writes_model_json_that_sample_reads(tmp_path, capsys):
     assert texts[0] == texts[1]
     # the same model.json already there: kept; another one: refused before any tensor is read, nothing written
     assert checkpoint_main(["consolidate", str(run / "checkpoints"), "--out", str(out)]) == 0
-    assert "model.json, beside the weights (already there: this model); sample" in capsys.readouterr().out
+    assert "model.json, beside the weights (already there: this model);\n  sample" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # lesson 09's command, relative paths: every line fits 120 columns (one was 153)
+    assert checkpoint_main(["consolidate", "run/checkpoints", "--out", "run/consolidated.npz"]) == 0
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= 120
     other = tmp_path / "other"
     other.mkdir()
     (other / "model.json").write_text(json.dumps(TINY))

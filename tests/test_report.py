@@ -18,8 +18,20 @@ def test_a_resumed_run_says_its_time_and_speed_are_its_own_steps():
     assert fresh.endswith("after 20 steps, 0.4 s, 827 tokens/s"), fresh
     resumed = _lines([5.0] * 10, 5.2, start_step=10)[0]
     assert resumed.endswith("after 20 steps (10 in this run, 0.4 s, 827 tokens/s)"), resumed
-    long = _lines([5.0] * 1200, 5.2, start_step=10)[0]  # it said "(1200 in this run" beside "1,210 steps"
+    long = " ".join(line.strip() for line in _lines([5.0] * 1200, 5.2, start_step=10))  # 121 columns: two lines
+    # it said "(1200 in this run" beside "1,210 steps"
     assert long.endswith("after 1,210 steps (1,200 in this run, 0.4 s, 827 tokens/s)"), long
+
+
+def test_a_resumed_runs_validation_line_fits_120_columns():
+    """Lesson 09's resumed run printed a 123-column line: 400 steps, 100 in this run, 46.0 s, 2,226 tokens/s."""
+    args = TrainConfig(model="tiny", steps=400, warmup=10, batch_size=16)
+    result = TrainResult(train_losses=[5.0] * 100, val_history=[(300, 2.0048), (400, 1.9869)], elapsed_s=46.0,
+                         tokens_per_s=2226.0, start_step=300)
+    lines = validation_lines(args, result)
+    assert max(map(len, lines)) <= 120, lines
+    said = " ".join(line.strip() for line in lines[:2])
+    assert said.endswith("after 400 steps (100 in this run, 46.0 s, 2,226 tokens/s)"), lines
 
 
 #: the last 10 steps after warmup of `--model tiny --steps 20`, rounded (validation 4.8649 after them)

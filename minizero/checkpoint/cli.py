@@ -234,8 +234,8 @@ def main(argv=None) -> int:
             shown = sidecar if os.path.islink(args.out) else shown  # beside the link's target, where it was written
             written = f"{args.out} and {shown}" if sidecar else args.out
             print(f"wrote {written} from {folder}\n  {tensor_count(state)}\n  config: {shown}, beside the weights"
-                  f"{'' if sidecar else ' (already there: this model)'}; sample, quantize and finetune --weights "
-                  f"{args.out} read it from there")
+                  f"{'' if sidecar else ' (already there: this model)'};\n  sample, quantize and finetune --weights "
+                  f"{args.out} read it from there")  # two lines: one was 153 columns for out/consolidated.npz
     except CheckpointError as e:  # resolve() names the trainer's flag; here PATH is positional
         msg = str(e)[len("--resume "):] if str(e).startswith("--resume ") else str(e)
         # one line per problem (a damaged manifest may have several), a long one over indented lines

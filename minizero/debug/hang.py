@@ -240,9 +240,12 @@ def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=())
     ``cut``: :func:`cut_short`'s ``{rank: file}``; ``aside``: ranks whose file is another job's."""
     world = max(s["world_size"] for s in snaps.values())
     no_file = {r: (cut or {}).get(r) for r in range(world) if r not in snaps}
+    # every file here dumped on SIGUSR1: a rank dumps only when it is signalled itself (kill -USR1 one PID)
+    why = "not sent SIGUSR1? each rank dumps its own record: kill -USR1 every rank's PID" \
+        if all(s.get("reason") == "SIGUSR1" for s in snaps.values()) else "stopped or killed before it could"
     lines = [f"missing: rank {r}: its flight file was cut short while being written ({tmp})" if tmp else
              f"missing: rank {r}: its rank_{r}.json is another job's record (set aside above)" if r in aside else
-             f"missing: rank {r} wrote no flight file (stopped or killed before it could)"
+             f"missing: rank {r} wrote no flight file ({why})"
              for r, tmp in no_file.items()]
     hangs = []
     for (name, members), per in sorted(_groups(snaps).items()):
