@@ -225,6 +225,14 @@ MPI_STARTS = [(["-m", "minizero.hardware", "--allreduce", "4", "--runs", "1"], "
               (["bench/bench_header.py", "--sizes", "4096", "--runs", "1"], "bench_header.py")]
 
 
+def _as_from_a_terminal():
+    """In the child: SIGINT's default action, as a program started from a terminal has it. pytest started as a
+    background job of a script (``cmd &`` in ``bash -c``) inherits SIGINT ignored, and so did bench_header: Python
+    installs no handler for an ignored SIGINT, mpi_start_guarded leaves it ignored, and the Ctrl-C below was lost
+    (the test failed on every run started that way)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("argv", [a for a, _ in MPI_STARTS])
 def test_a_stalled_mpi_init_ends_on_ctrl_c(mute_launcher, argv):
@@ -233,7 +241,8 @@ def test_a_stalled_mpi_init_ends_on_ctrl_c(mute_launcher, argv):
     port, accepted = mute_launcher
     clean = {k: v for k, v in mpi_env().items() if not k.startswith(("PMI", "OMPI_", "PMIX", "SLURM_"))}
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
-                            stdin=subprocess.DEVNULL, env=dict(clean, PMI_PORT=port, PMI_RANK="0", PMI_SIZE="2"))
+                            stdin=subprocess.DEVNULL, env=dict(clean, PMI_PORT=port, PMI_RANK="0", PMI_SIZE="2"),
+                            preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while not accepted and time.monotonic() < deadline:  # MPI_Init has connected: it waits there
