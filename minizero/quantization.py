@@ -267,6 +267,17 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size={block_size!r}; allowed: an int >= 1")
 
 
+def _check_code(code) -> None:
+    """A code book :func:`quantize_blockwise` can search: 2 to 256 (uint8 codes) finite floats, ascending."""
+    if code.ndim != 1 or not 2 <= code.size <= 256 or code.dtype.kind != "f":
+        raise ValueError(f"code has shape {code.shape} and dtype {code.dtype}; allowed: 2 to 256 floats, ascending "
+                         "(dynamic_code(), linear_code())")
+    xp = backend.array_module(code)
+    if not backend.host_scalar(xp.isfinite(code).all() & (code[1:] >= code[:-1]).all()):
+        raise ValueError("code must hold finite values in ascending order: the nearest value is found by "
+                         "binary search (dynamic_code(), linear_code())")
+
+
 def _check_absmax(absmax, n: int, offset: int, block_size: int, nb: int) -> None:
     if absmax.shape != (nb,):
         raise ValueError(f"absmax has shape {absmax.shape}; {n} elements at offset {offset} with block_size "
@@ -296,12 +307,15 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
 
     Blocks ``[k*B, (k+1)*B)`` of a grid where ``x[0]`` is at ``offset`` (a ZeRO shard's first block is partial);
     ``absmax``: known block maxima (agreed between ranks), else computed.
-    Raises ValueError: non-finite ``x`` or a wrong-sized ``absmax``. Source: bitsandbytes ``quantize_blockwise``.
+    ``code``: ascending values in [-1, 1] (:func:`dynamic_code`, :func:`linear_code`); each element takes the nearest.
+    Raises ValueError: non-finite ``x``, a wrong-sized ``absmax``, or a ``code`` that is not 2 to 256 ascending finite
+    floats. Source: bitsandbytes ``quantize_blockwise``.
     """
     x, code = _array(x), _array(code)
     xp = backend.array_module(x)
     x = x.reshape(-1)
     check_finite(x)
+    _check_code(code)
     blocks, head = _block_view(x, block_size, offset)
     if absmax is None:
         absmax = xp.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else xp.zeros(0, np.float32)

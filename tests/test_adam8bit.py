@@ -279,3 +279,46 @@ def test_the_header_says_tp_cuts_the_8bit_blocks():
     out = " ".join(run_in_threads(2, _train_logged, base + ["--tp", "2"], timeout=100)[0].split())
     assert "note: --optimizer adam8bit with --tp 2 quantizes m and v in blocks of each tensor shard" in out
     assert "blocks of each tensor shard" not in run_in_threads(2, _train_logged, base + ["--dp", "2"], timeout=100)[0]
+
+
+def test_masters_are_updated_and_rounded_into_the_float16_parameters():
+    """master_weights=True (train's FP16 with --optimizer adam8bit): the FP32 masters take float32 Adam8bit's steps
+    bit for bit and each parameter is its master rounded to float16. (Mutant: the copy back removed survived; the
+    strict-device test compares two runs that both lacked it.)"""
+    from minizero.nn.module import Parameter
+    rng = np.random.default_rng(4)
+    p16 = [Parameter(rng.standard_normal(s).astype(np.float16)) for s in ((64, 80), (30,))]
+    p32 = [Parameter(p.data.astype(np.float32)) for p in p16]
+    kw = dict(lr=1e-2, block_size=48, min_8bit_size=1000)
+    opt16, opt32 = Adam8bit(p16, master_weights=True, **kw), Adam8bit(p32, **kw)
+    for _ in range(3):
+        for a, b in zip(p16, p32):
+            a.grad = rng.standard_normal(a.shape).astype(np.float16)
+            b.grad = a.grad.astype(np.float32)
+        opt16.step()
+        opt32.step()
+    for a, b, master in zip(p16, p32, opt16.masters):
+        np.testing.assert_array_equal(master, b.data)
+        assert a.data.dtype == np.float16
+        np.testing.assert_array_equal(a.data, b.data.astype(np.float16))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("block", [48, 64])  # 64: wte's shards end on block boundaries (2048 = 32 x 64)
+def test_only_blocks_that_two_ranks_hold_have_their_absmax_agreed(world_size, block):
+    """The absmax table all-reduced each step holds exactly the blocks two or more ranks touch. (Mutant: a piece's
+    last block counted when the piece ends on a block boundary survived: equal results, a larger all-reduce.)"""
+    from minizero.zero import ShardMap
+    min_8bit = 200
+    smap = ShardMap.from_model(GPT(get_config("tiny", dtype="float64")), world_size)
+    state = ShardedAdam8bit(smap, _FakeComm(world_size), np.float64, block, min_8bit)
+    for i, u in enumerate(smap.units):
+        numel = {name: int(np.prod(s)) for name, s in zip(u.param_names, u.shapes)}
+        holders = {}
+        for r in range(world_size):
+            for pc in smap.pieces(r, i):
+                if numel[pc.param] >= min_8bit:
+                    for k in range(pc.lo // block, (pc.hi - 1) // block + 1):
+                        holders.setdefault((pc.param, k), set()).add(r)
+        assert set(state.shared[i]) == {key for key, ranks in holders.items() if len(ranks) > 1}, u.param_names
+    assert any(state.shared)

@@ -118,3 +118,40 @@ def test_the_loops_clip_coefficient_never_scales_gradients_up():
     assert clip_coefficient(13.0, 6.5) == 6.5 / (13.0 + 1e-6)
     assert [clip_coefficient(n, 1.0) for n in (0.0, 0.5, 1.0 - 1e-6)] == [1.0, 1.0, 1.0]
     assert clip_coefficient(5.0, 0.0) == clip_coefficient(5.0, math.inf) == 1.0
+
+
+def test_grad_scale_is_the_gradient_s_factor_in_every_moment():
+    """step(grad_scale=c) (the loop's clip coefficient / loss scale) equals the paper's algorithm on c * g, c changing
+    per step. (Mutant: grad_scale ignored survived every test: Adam divides m by sqrt(v), so a constant factor cancels
+    but for eps; a factor changing per step, as clipping's does, does not.)"""
+    rng = np.random.default_rng(5)
+    w = Parameter(rng.standard_normal((3, 5)))
+    w0 = w.data.copy()
+    grads, scales = [rng.standard_normal(w.shape) for _ in range(4)], [0.5, 1.0, 1e-3, 3.0]
+    opt = AdamW([w], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for g, c in zip(grads, scales):
+        w.grad = g.copy()
+        opt.step(grad_scale=c)
+    want = reference_adamw(w0, [g * c for g, c in zip(grads, scales)], [1e-2] * 4, 0.9, 0.95, 1e-8, 0.1)
+    np.testing.assert_allclose(w.data, want, rtol=0, atol=1e-14 * np.abs(want).max())
+
+
+def test_the_global_norm_of_float32_gradients_is_summed_in_float64_and_skips_none():
+    """Squares of 3e20 and 4e20 overflow float32 (max 3.4e38): summed in the gradients' own dtype the norm was inf and
+    clipping zeroed every gradient; a frozen parameter (grad None) beside them is left alone while the rest clip."""
+    a, b, frozen = Parameter(np.zeros(2, np.float32)), Parameter(np.zeros(1, np.float32)), Parameter(np.zeros(3))
+    a.grad, b.grad = np.array([3e20, 4e20], np.float32), np.array([0.0], np.float32)
+    exact = math.hypot(*a.grad.astype(np.float64).tolist())
+    assert abs(clip_grad_norm_([a, frozen, b], 1.0) - exact) <= 1e-15 * exact
+    assert frozen.grad is None and a.grad.dtype == np.float32
+    np.testing.assert_allclose(a.grad, np.array([3e20, 4e20]) / exact, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"eps": 0.0}, {"betas": (1.0, 0.95)}, {"lr": -1e-3}, {"weight_decay": -0.1}])
+def test_each_bound_of_the_hyper_parameters_is_refused_at_its_edge(kw):
+    """eps 0 makes a zero gradient's update 0/0 = NaN, beta1 1 a bias correction of 0; the refusals were tested for
+    beta2 = 1 and NaN only, and 'eps >= 0' or 'beta1 <= 1' survived."""
+    from minizero.optim.adam8bit import Adam8bit
+    for cls in (AdamW, Adam8bit):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: need finite lr >= 0"):
+            cls([Parameter(np.ones(2))], **kw)
