@@ -105,6 +105,30 @@ def test_the_context_group_holds_consecutive_data_ranks_in_order():
 
 
 @pytest.mark.timeout(60)
+def test_one_ulysses_core_serves_two_sequence_lengths():
+    """The core caches its time permutation per length: a shorter sequence after a longer one (evaluation at
+    another length) still equals whole causal attention, on the same core object. No dropout given: before, the
+    default dense inner core called it (TypeError: 'NoneType' object is not callable)."""
+    import math
+
+    from minizero.autograd import causal_softmax
+    from minizero.parallel.context_parallel import unsplit_from_context_parallel
+    from minizero.parallel.ulysses import UlyssesAttentionCore
+
+    cp, rng = 2, np.random.default_rng(0)
+    inputs = [[rng.normal(size=(1, 2, s, 3)) for _ in range(3)] for s in (16, 8)]
+
+    def rank(comm):
+        core = UlyssesAttentionCore(comm)
+        return [core(*(Tensor(split_for_context_parallel(a, comm.rank, cp, 2)) for a in qkv)).data for qkv in inputs]
+
+    res = run_in_threads(cp, rank)
+    for i, (q, k, v) in enumerate(inputs):
+        want = (causal_softmax((Tensor(q) @ Tensor(k).transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(3))) @ Tensor(v)).data
+        np.testing.assert_allclose(unsplit_from_context_parallel([r[i] for r in res], 2), want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.timeout(60)
 def test_context_parallelize_names_an_unknown_attention():
     """Before the check any name but "ring" would have built Ulysses cores."""
     from minizero.parallel.context_parallel import context_parallelize
