@@ -182,3 +182,52 @@ def test_sequence_parallelize_refuses_a_stage_not_split_by_tensor_and_vocabulary
         run_in_threads(2, rank, False, timeout=20)
     with pytest.raises(TypeError, match="needs a vocabulary-parallel embedding: call vocab_parallelize first"):
         run_in_threads(2, rank, True, timeout=20)
+
+
+@pytest.mark.timeout(60)
+def test_parallel_linears_own_their_arrays():
+    """from_linear copies, as its docstring says: an in-place step on a rank's bias or weight (threads share the
+    source layer) leaves the source and the other ranks alone."""
+    from minizero.parallel.tensor_parallel import RowParallelLinear
+
+    lin = Linear(4, 4, dtype="float64", rng=np.random.default_rng(0))
+    before = [lin.weight.data.copy(), lin.bias.data.copy()]
+
+    def rank(comm):
+        layers = ColumnParallelLinear.from_linear(lin, comm), RowParallelLinear.from_linear(lin, comm)
+        for p in (q for layer in layers for q in (layer.weight, layer.bias)):
+            p.data += 1.0
+        return [p.data.copy() for layer in layers for p in (layer.weight, layer.bias)]
+
+    for r, (cw, cb, rw, rb) in enumerate(run_in_threads(2, rank)):
+        np.testing.assert_array_equal(rb, before[1] + 1.0)  # once, not once per rank
+        np.testing.assert_array_equal(cb, shard_array(before[1], 0, r, 2) + 1.0)
+    np.testing.assert_array_equal(lin.weight.data, before[0])
+    np.testing.assert_array_equal(lin.bias.data, before[1])
+
+
+class _Pieces:
+    """A synchroniser that reduced in backward and holds elements [0, 2) of one parameter (SequenceParallelGrads)."""
+
+    def __init__(self, p):
+        self.p, self.grad = p, np.ones(2)
+
+    def reduce_gradients(self):
+        pass
+
+    def held_grad_pieces(self, params):
+        return [(self.p, 0, 2, self.grad)]
+
+
+def test_the_tensor_ranks_must_hold_pieces_of_the_same_parameter():
+    """Equal ranges [0, 2) of two different parameters are different pieces: refused, not summed together."""
+    from types import SimpleNamespace
+
+    from minizero.parallel.sequence_parallel import SequenceParallelGrads
+
+    def rank(comm):
+        params = [SimpleNamespace(sequence_parallel=True) for _ in range(2)]
+        with pytest.raises(RuntimeError, match=r"different gradient pieces .* checksums"):
+            SequenceParallelGrads(params, comm).reduce(_Pieces(params[comm.rank]))
+
+    run_in_threads(2, rank, timeout=20)
