@@ -136,9 +136,10 @@ def test_allreduce_volume_per_block_and_micro_batch(tp):
         per = allreduce_bytes_per_block(b, t, cfg.n_embd, 8, tp, r)
         one = bytes_sent("all_reduce", b * t * cfg.n_embd, 8, tp, r)
         assert per["forward"] == 2 * one == 2 * 2 * (tp - 1) * b * t * cfg.n_embd * 8 // tp
-        assert fwd["calls"]["all_reduce"] == 2 * cfg.n_layer
+        assert fwd["calls"]["all_reduce"] == per["calls_forward"] * cfg.n_layer == 2 * cfg.n_layer
         assert fwd["by_op"] == {"all_reduce": per["forward"] * cfg.n_layer}
-        assert total["calls"]["all_reduce"] == 4 * cfg.n_layer
+        assert total["calls"]["all_reduce"] == (per["calls_forward"] + per["calls_backward"]) * cfg.n_layer
+        assert per["calls_backward"] == 2
         assert total["by_op"] == {"all_reduce": (per["forward"] + per["backward"]) * cfg.n_layer}
 
 

@@ -113,12 +113,13 @@ class CausalSelfAttention(Module):
 
 
 class DenseAttentionCore(Module):
-    """softmax(q k^T / sqrt(D), causal) -> dropout -> @ v. q, k, v (B, H, T, D) -> (B, H, T, D); q scaled first."""
+    """softmax(q k^T / sqrt(D), causal) -> dropout (None: none) -> @ v. q, k, v (B, H, T, D) -> (B, H, T, D);
+    q scaled first."""
 
-    def forward(self, q, k, v, dropout):
+    def forward(self, q, k, v, dropout=None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         att = causal_softmax(F.scaled_matmul(q, k.transpose(0, 1, 3, 2), scale))  # (B, H, T, T)
-        return dropout(att) @ v
+        return (att if dropout is None else dropout(att)) @ v
 
 
 class MLP(Module):
