@@ -152,3 +152,23 @@ def test_an_all_zero_block_gets_the_code_of_zero():
         c, absmax = quantize_blockwise(x if book.min() < 0 else np.abs(x), book, 64)
         assert absmax[0] == 0 and (book[c[:64]] == 0).all()
     assert (NF4_LEVELS[NF4Tensor(x).indices()[:64]] == 0).all()
+
+
+def test_quantize_blockwise_refuses_what_it_cannot_store_before_any_work():
+    """An offset that is not an int >= 0, x beyond float32 (its block maximum became inf: every element NaN), text
+    or objects, a given absmax that is NaN or negative: each named, with what is allowed."""
+    code, x = dynamic_code(), np.linspace(-1.0, 1.0, 10)
+    for offset in (-1, True, 1.5, None, "3"):
+        with pytest.raises(ValueError, match=r"^offset=.*; allowed: an int >= 0"):
+            quantize_blockwise(x, code, 4, offset)
+    with pytest.raises(ValueError, match=r"^x holds 1e\+308, beyond float32's .*block maxima are stored as float32"):
+        quantize_blockwise(np.array([1e308, -1e308, 1.0]), code)
+    for bad in (np.array(["a", "b"]), np.array([1.0, None])):
+        with pytest.raises(ValueError, match=f"^x has dtype {bad.dtype}; allowed: bool, int or float numbers"):
+            quantize_blockwise(bad, code)
+    for value in (np.nan, -1.0, np.inf):
+        absmax = np.array([1.0, 1.0, value], np.float32)
+        with pytest.raises(ValueError, match=r"^absmax\[2\] = .*; allowed: block maxima, finite numbers >= 0"):
+            quantize_blockwise(x, code, 4, 0, absmax)
+    codes, absmax = quantize_blockwise(x, code, 4, np.int64(2), np.zeros(3))  # NumPy ints and zero maxima: allowed
+    assert codes.shape == (10,) and absmax.tolist() == [0.0, 0.0, 0.0]
