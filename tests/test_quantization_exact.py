@@ -172,3 +172,18 @@ def test_quantize_blockwise_refuses_what_it_cannot_store_before_any_work():
             quantize_blockwise(x, code, 4, 0, absmax)
     codes, absmax = quantize_blockwise(x, code, 4, np.int64(2), np.zeros(3))  # NumPy ints and zero maxima: allowed
     assert codes.shape == (10,) and absmax.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_nf4_names_what_it_cannot_hold():
+    """Before: float64 past float32's range was called 'non-finite', None too; a list or a float was an
+    AttributeError, text NumPy's 'could not convert', and complex lost its imaginary part in silence."""
+    from minizero.nf4 import NF4Tensor
+    for x, said in ((np.array([1e39, 1.0]), "ValueError: NF4Tensor of a tensor holding 1e+39, beyond float32's"),
+                    (np.array([np.inf, 1.0]), "ValueError: NF4Tensor of a tensor with 1 non-finite elements"),
+                    (None, "TypeError: NF4Tensor of a NoneType; allowed: an array (numpy/cupy) of real numbers"),
+                    ([1.0, 2.0], "TypeError: NF4Tensor of a list; allowed"),
+                    (np.ones(4, complex), "TypeError: NF4Tensor of a ndarray of dtype complex128; allowed"),
+                    (np.array(["a"]), "TypeError: NF4Tensor of a ndarray of dtype <U1; allowed")):
+        with pytest.raises((TypeError, ValueError)) as e:
+            NF4Tensor(x)
+        assert f"{e.type.__name__}: {e.value}".startswith(said), e.value
