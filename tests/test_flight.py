@@ -344,6 +344,17 @@ def test_a_rank_missing_beside_files_dumped_on_sigusr1_is_said_to_be_perhaps_not
                                                                                      "could)")
 
 
+def test_ranks_without_a_flight_file_are_one_line_of_runs_not_one_line_each():
+    """kill -USR1 of one PID in a 1,000-rank job printed 999 lines of the same hint (one per rank)."""
+    entry = {"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64", "bytes": 16,
+             "state": "completed", "posted_us": 1, "ended_us": 2, "error": None}
+    snap = {"rank": 1, "world_size": 1000, "reason": "SIGUSR1", "groups": {"world": {"members": None, "last_seq": 1}},
+            "entries": [entry]}
+    lines = hang.analyze({1: snap, 5: dict(snap, rank=5)})
+    assert lines == ["missing: ranks 0, 2-4, 6-999 wrote no flight file (not sent SIGUSR1? each rank dumps its own "
+                     "record: kill -USR1 every rank's PID)"], lines
+
+
 # -- --debug-collectives -------------------------------------------------------------------------------------
 def test_debug_collectives_names_a_rank_that_skipped_an_all_reduce_with_both_sides():
     def fn(comm):
