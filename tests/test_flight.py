@@ -618,6 +618,15 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
             "pipeline stage 1)") in out
 
 
+def test_working_time_counts_a_collective_over_a_pipeline_wait_once():
+    """A collective span over a pipeline wait on the blocking lane was subtracted twice: 'working -0.10 ms/step'."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward", "forward", 0, 0, 100), _ev(0, "all_reduce", "comm", 1, 0, 100),
+              _ev(0, "recv act mb0", "comm", 1, 0, 100, peer=1), _ev(0, "optimizer", "optimizer", 0, 90, 10)]
+    assert timeline.report(events)[-1] == ("one rank: no straggler to name (working 0.00 ms/step, compute 0.10 "
+                                           "ms/step)")
+
+
 def test_trace_report_of_a_rank_without_working_time_prints_no_infinite_ratio():
     """Before: "slowest rank: 0 (...; infx rank 7's 0.00 ms/step)" for a rank with no forward-to-optimizer window."""
     from minizero.debug import timeline
