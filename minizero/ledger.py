@@ -331,7 +331,7 @@ def memory_summary(per_rank: list[dict] | None = None, process_peaks: list[int] 
 
 
 #: a figure's pieces that a line break must not part: a rank label, its number and its unit ("r4-7 16.09 MiB")
-_UNBREAKABLE = re.compile(r"(?:\br[0-9][0-9,-]* )?[0-9][0-9.,]* (?:B|KiB|MiB|GiB|TiB|kB|MB|GB|TB|s|ms)\b")
+_UNBREAKABLE = re.compile(r"(?:\br[0-9][0-9,-]* )?[0-9][0-9.,]* (?:B|KiB|MiB|GiB|TiB|kB|MB|GB|TB|tokens/s|s|ms)\b")
 
 
 def wrap(line: str, width: int = 100, hang: int = 2) -> list[str]:

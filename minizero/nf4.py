@@ -7,6 +7,7 @@ Source: Dettmers et al., "QLoRA", arXiv:2305.14314, section 3 and appendix E; bi
 """
 from __future__ import annotations
 
+import math
 from statistics import NormalDist
 
 import numpy as np
@@ -45,7 +46,15 @@ def nf4_nbytes(n: int) -> int:
 def _levels_and_absmax(x):
     """(each element's nearest level (n,) uint8, each block's absmax (B,) float32) of x, the last block zero-padded.
     Raises ValueError: x empty or not finite."""
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")) or x.dtype.kind not in "biuf":
+        raise TypeError(f"NF4Tensor of a {type(x).__name__}{f' of dtype {x.dtype}' if hasattr(x, 'dtype') else ''}; "
+                        "allowed: an array (numpy/cupy) of real numbers")
     xp = backend.array_module(x)
+    if x.size and x.dtype.itemsize > 4:  # float64 past float32's range became inf, then "non-finite elements"
+        big = backend.host_scalar(xp.abs(x).max())
+        if math.inf > big > float(np.finfo(np.float32).max):  # inf and NaN: named as non-finite below
+            raise ValueError(f"NF4Tensor of a tensor holding {big!r}, beyond float32's "
+                             f"{float(np.finfo(np.float32).max)!r}: its blocks' absmax are float32")
     flat = xp.asarray(x, dtype=np.float32).reshape(-1)
     if flat.size == 0:
         raise ValueError("NF4Tensor needs at least one element")
@@ -93,7 +102,7 @@ class NF4Tensor:
     ``c1_codes`` uint8 (B,), ``c2`` float32 (ceil(B/256),), ``c1_mean`` float32 (1,);
     :attr:`nbytes` equals :func:`nf4_nbytes`. :meth:`dequantize` returns the (shape) array W~.
     Raises:
-        ValueError: x empty or not finite.
+        TypeError: x not an array of real numbers. ValueError: x empty, not finite or beyond float32's range.
     """
 
     def __init__(self, x):

@@ -278,6 +278,19 @@ def _check_code(code) -> None:
                          "binary search (dynamic_code(), linear_code())")
 
 
+def _check_x_offset(x, offset) -> None:
+    """What :func:`quantize_blockwise` can store: numbers whose absmax fits float32, at an int offset >= 0."""
+    if x.dtype.kind not in "biuf":
+        raise ValueError(f"x has dtype {x.dtype}; allowed: bool, int or float numbers")
+    if not (isinstance(offset, (int, np.integer)) and not isinstance(offset, bool) and offset >= 0):
+        raise ValueError(f"offset={offset!r}; allowed: an int >= 0 (x[0]'s place in the block grid)")
+    check_finite(x)
+    big = backend.host_scalar(backend.array_module(x).abs(x).max()) if x.size and x.dtype.itemsize > 4 else 0
+    if big > float(np.finfo(np.float32).max):  # the block maxima are float32: inf would turn every element into NaN
+        raise ValueError(f"x holds {big!r}, beyond float32's {float(np.finfo(np.float32).max)!r}: block maxima "
+                         "are stored as float32")
+
+
 def _check_absmax(absmax, n: int, offset: int, block_size: int, nb: int) -> None:
     if absmax.shape != (nb,):
         raise ValueError(f"absmax has shape {absmax.shape}; {n} elements at offset {offset} with block_size "
@@ -308,18 +321,28 @@ def quantize_blockwise(x, code, block_size: int = 256, offset: int = 0, absmax=N
     Blocks ``[k*B, (k+1)*B)`` of a grid where ``x[0]`` is at ``offset`` (a ZeRO shard's first block is partial);
     ``absmax``: known block maxima (agreed between ranks), else computed.
     ``code``: ascending values in [-1, 1] (:func:`dynamic_code`, :func:`linear_code`); each element takes the nearest.
-    Raises ValueError: non-finite ``x``, a wrong-sized ``absmax``, or a ``code`` that is not 2 to 256 ascending finite
-    floats. Source: bitsandbytes ``quantize_blockwise``.
+    Raises ValueError: ``x`` not finite numbers within float32's range, ``offset`` not an int >= 0, an ``absmax`` of
+    the wrong size or not finite and >= 0, or a ``code`` that is not 2 to 256 ascending finite floats.
+    Source: bitsandbytes ``quantize_blockwise``.
     """
     x, code = _array(x), _array(code)
     xp = backend.array_module(x)
     x = x.reshape(-1)
-    check_finite(x)
+    _check_x_offset(x, offset)
     _check_code(code)
     blocks, head = _block_view(x, block_size, offset)
     if absmax is None:
         absmax = xp.abs(blocks).max(axis=1).astype(np.float32) if blocks.size else xp.zeros(0, np.float32)
-    absmax = _array(absmax).astype(np.float32, copy=False)
+    else:  # given: the agreed maxima, each finite and >= 0 (a NaN or negative one scrambles its block)
+        absmax = _array(absmax)
+        if absmax.dtype.kind not in "iuf":
+            raise ValueError(f"absmax has dtype {absmax.dtype}; allowed: block maxima, finite numbers >= 0")
+        bad = (~(absmax >= 0) | ~xp.isfinite(absmax)).reshape(-1)
+        if backend.host_scalar(bad.any()):
+            i = int(backend.host_scalar(xp.flatnonzero(bad)[0]))
+            raise ValueError(f"absmax[{i}] = {backend.host_scalar(absmax.reshape(-1)[i])!r}; allowed: block maxima, "
+                             "finite numbers >= 0")
+    absmax = absmax.astype(np.float32, copy=False)
     _check_absmax(absmax, x.size, offset, block_size, blocks.shape[0])
     a = absmax.astype(blocks.dtype)[:, None]
     normed = blocks / xp.where(a == 0, 1, a)

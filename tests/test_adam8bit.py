@@ -113,6 +113,21 @@ def test_bad_hyper_parameters_are_named():
         make_codes("log")
 
 
+def test_block_and_min_sizes_are_ints_as_quantize_blockwise_takes_them():
+    """Before: np.int64(64) was refused as 'need block_size >= 1 ... got 64', block_size=True taken (refused only at
+    the first step, by quantize_blockwise), min_8bit_size=nan taken (every tensor kept in full precision) and None a
+    TypeError."""
+    assert Adam8bit([], block_size=np.int64(64), min_8bit_size=np.int32(0)).block_size == 64
+    for kw, said in (({"block_size": True}, "block_size=True; allowed: an int >= 1"),
+                     ({"block_size": 2.0}, "block_size=2.0; allowed: an int >= 1"),
+                     ({"min_8bit_size": float("nan")}, "min_8bit_size=nan; allowed: an int >= 0"),
+                     ({"min_8bit_size": None}, "min_8bit_size=None; allowed: an int >= 0"),
+                     ({"min_8bit_size": -1}, "min_8bit_size=-1; allowed: an int >= 0")):
+        with pytest.raises(ValueError) as e:
+            Adam8bit([], **kw)
+        assert str(e.value) == "Adam8bit: " + said
+
+
 @pytest.mark.timeout(400)
 def test_200_steps_on_the_corpus_within_005_nats_of_adamw():
     """The issue's check: 200 steps of the 'small' model (120k parameters, 96% of them in 8-bit tensors).

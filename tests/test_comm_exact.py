@@ -116,6 +116,24 @@ def test_tags_end_at_32767_the_least_mpi_tag_ub_allows():
     assert "32768" in said[1] and said[1].endswith("; allowed: an int in [0, 32767]"), said  # NumPy 2: np.int64(...)
 
 
+@pytest.mark.timeout(30)
+def test_a_bool_tag_is_refused_as_a_bool_rank_is():
+    """tag=True was taken as tag 1 (bool is an int): refused before anything is posted, as source=True is."""
+    def body(comm):
+        said = []
+        for call in (lambda: comm.irecv(np.empty(1), 0, tag=True), lambda: comm.isend(np.ones(1), 0, tag=False),
+                     lambda: comm.send(np.ones(1), 0, tag=True)):
+            try:
+                call()
+            except ValueError as e:
+                said.append(str(e))
+        return said
+
+    (said,) = run_in_threads(1, body)
+    assert said == ["tag=True; allowed: an int in [0, 32767]", "tag=False; allowed: an int in [0, 32767]",
+                    "tag=True; allowed: an int in [0, 32767]"], said
+
+
 # --------------------------------------------------------------------------- non-blocking rings
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])

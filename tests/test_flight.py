@@ -344,6 +344,17 @@ def test_a_rank_missing_beside_files_dumped_on_sigusr1_is_said_to_be_perhaps_not
                                                                                      "could)")
 
 
+def test_ranks_without_a_flight_file_are_one_line_of_runs_not_one_line_each():
+    """kill -USR1 of one PID in a 1,000-rank job printed 999 lines of the same hint (one per rank)."""
+    entry = {"group": "world", "seq": 1, "op": "all_reduce", "shape": [2], "dtype": "float64", "bytes": 16,
+             "state": "completed", "posted_us": 1, "ended_us": 2, "error": None}
+    snap = {"rank": 1, "world_size": 1000, "reason": "SIGUSR1", "groups": {"world": {"members": None, "last_seq": 1}},
+            "entries": [entry]}
+    lines = hang.analyze({1: snap, 5: dict(snap, rank=5)})
+    assert lines == ["missing: ranks 0, 2-4, 6-999 wrote no flight file (not sent SIGUSR1? each rank dumps its own "
+                     "record: kill -USR1 every rank's PID)"], lines
+
+
 # -- --debug-collectives -------------------------------------------------------------------------------------
 def test_debug_collectives_names_a_rank_that_skipped_an_all_reduce_with_both_sides():
     def fn(comm):
@@ -605,6 +616,15 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert "working = step - exposed - bubble: a rank's step less its waits on the others" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
+
+
+def test_working_time_counts_a_collective_over_a_pipeline_wait_once():
+    """A collective span over a pipeline wait on the blocking lane was subtracted twice: 'working -0.10 ms/step'."""
+    from minizero.debug import timeline
+    events = [_ev(0, "forward", "forward", 0, 0, 100), _ev(0, "all_reduce", "comm", 1, 0, 100),
+              _ev(0, "recv act mb0", "comm", 1, 0, 100, peer=1), _ev(0, "optimizer", "optimizer", 0, 90, 10)]
+    assert timeline.report(events)[-1] == ("one rank: no straggler to name (working 0.00 ms/step, compute 0.10 "
+                                           "ms/step)")
 
 
 def test_trace_report_of_a_rank_without_working_time_prints_no_infinite_ratio():

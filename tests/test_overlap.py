@@ -130,6 +130,29 @@ def test_irecv_wait_receives_and_times_out_naming_the_sender():
     assert run_in_threads(2, rank, timeout=30)[1] == [0.0, 1.0, 2.0, 3.0]
 
 
+@pytest.mark.timeout(30)
+def test_irecv_wait_in_a_split_group_names_world_ranks_as_recv_does():
+    """Before: irecv's wait() in a group of ranks 1 and 3 said 'rank 0 ... for rank 1' where recv says which ranks
+    of the job those are."""
+    from minizero.comm.base import CommTimeoutError
+
+    def rank(comm):
+        group = comm.split(comm.rank % 2)
+        if comm.rank == 1:
+            group.timeout = 0.2
+            with pytest.raises(CommTimeoutError) as e:
+                group.irecv(np.empty(1), 1, tag=3).wait()  # rank 3 never sends; it waits below, alive
+            comm.send(np.empty(1), 3, tag=4)
+            return str(e.value)
+        if comm.rank == 3:
+            comm.recv(np.empty(1), 1, tag=4)
+        return None
+
+    said = run_in_threads(4, rank, timeout=20)[1]
+    assert said.startswith("rank 0 (world rank 1): irecv (tag 3) waited 0.2 s for rank 1 (world rank 3) of a "
+                           "communicator of 2"), said
+
+
 # ------------------------------------------------------------------------------ bitwise, on threads
 def _final_weights(n, flags):
     def rank(comm):

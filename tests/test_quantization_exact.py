@@ -152,3 +152,38 @@ def test_an_all_zero_block_gets_the_code_of_zero():
         c, absmax = quantize_blockwise(x if book.min() < 0 else np.abs(x), book, 64)
         assert absmax[0] == 0 and (book[c[:64]] == 0).all()
     assert (NF4_LEVELS[NF4Tensor(x).indices()[:64]] == 0).all()
+
+
+def test_quantize_blockwise_refuses_what_it_cannot_store_before_any_work():
+    """An offset that is not an int >= 0, x beyond float32 (its block maximum became inf: every element NaN), text
+    or objects, a given absmax that is NaN or negative: each named, with what is allowed."""
+    code, x = dynamic_code(), np.linspace(-1.0, 1.0, 10)
+    for offset in (-1, True, 1.5, None, "3"):
+        with pytest.raises(ValueError, match=r"^offset=.*; allowed: an int >= 0"):
+            quantize_blockwise(x, code, 4, offset)
+    with pytest.raises(ValueError, match=r"^x holds 1e\+308, beyond float32's .*block maxima are stored as float32"):
+        quantize_blockwise(np.array([1e308, -1e308, 1.0]), code)
+    for bad in (np.array(["a", "b"]), np.array([1.0, None])):
+        with pytest.raises(ValueError, match=f"^x has dtype {bad.dtype}; allowed: bool, int or float numbers"):
+            quantize_blockwise(bad, code)
+    for value in (np.nan, -1.0, np.inf):
+        absmax = np.array([1.0, 1.0, value], np.float32)
+        with pytest.raises(ValueError, match=r"^absmax\[2\] = .*; allowed: block maxima, finite numbers >= 0"):
+            quantize_blockwise(x, code, 4, 0, absmax)
+    codes, absmax = quantize_blockwise(x, code, 4, np.int64(2), np.zeros(3))  # NumPy ints and zero maxima: allowed
+    assert codes.shape == (10,) and absmax.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_nf4_names_what_it_cannot_hold():
+    """Before: float64 past float32's range was called 'non-finite', None too; a list or a float was an
+    AttributeError, text NumPy's 'could not convert', and complex lost its imaginary part in silence."""
+    from minizero.nf4 import NF4Tensor
+    for x, said in ((np.array([1e39, 1.0]), "ValueError: NF4Tensor of a tensor holding 1e+39, beyond float32's"),
+                    (np.array([np.inf, 1.0]), "ValueError: NF4Tensor of a tensor with 1 non-finite elements"),
+                    (None, "TypeError: NF4Tensor of a NoneType; allowed: an array (numpy/cupy) of real numbers"),
+                    ([1.0, 2.0], "TypeError: NF4Tensor of a list; allowed"),
+                    (np.ones(4, complex), "TypeError: NF4Tensor of a ndarray of dtype complex128; allowed"),
+                    (np.array(["a"]), "TypeError: NF4Tensor of a ndarray of dtype <U1; allowed")):
+        with pytest.raises((TypeError, ValueError)) as e:
+            NF4Tensor(x)
+        assert f"{e.type.__name__}: {e.value}".startswith(said), e.value

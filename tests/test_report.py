@@ -34,6 +34,16 @@ def test_a_resumed_runs_validation_line_fits_120_columns():
     assert said.endswith("after 400 steps (100 in this run, 46.0 s, 2,226 tokens/s)"), lines
 
 
+def test_a_wrapped_validation_line_keeps_tokens_per_second_with_its_figure():
+    """A long run cut "2,226,123" from "tokens/s", which stood alone on the second line."""
+    args = TrainConfig(model="tiny", steps=10 ** 9, warmup=10, batch_size=16)
+    result = TrainResult(train_losses=[5.0] * 20, val_history=[(0, 2.0), (10 ** 9, 1.9)], elapsed_s=123456.7,
+                         tokens_per_s=2226123.0, start_step=0)
+    lines = validation_lines(args, result)
+    assert lines[:2] == ["validation loss: 1.9000 nats/byte (start 2.0000; ln 256 = 5.5452) after 1,000,000,000 "
+                         "steps, 123456.7 s,", "  2,226,123 tokens/s"], lines
+
+
 #: the last 10 steps after warmup of `--model tiny --steps 20`, rounded (validation 4.8649 after them)
 TINY_20 = [5.2591, 5.1825, 5.1767, 5.0121, 5.0134, 4.9866, 4.9510, 4.8917, 4.9124, 4.8341]
 

@@ -236,8 +236,8 @@ class Communicator(abc.ABC):
     def _check_tag(tag) -> int:
         if type(tag) is int and 0 <= tag <= MAX_TAG:
             return tag
-        if not isinstance(tag, numbers.Integral) or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tag={tag!r}; allowed: an int in [0, {MAX_TAG}]")
+        if isinstance(tag, bool) or not isinstance(tag, numbers.Integral) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag={tag!r}; allowed: an int in [0, {MAX_TAG}]")  # a bool as the ranks: refused
         return int(tag)
 
     def __repr__(self) -> str:

@@ -119,9 +119,8 @@ class _QueueRecvRequest:
 
     def wait(self) -> None:
         """Take the message once it is there; CommTimeoutError after the communicator's timeout."""
-        c = self.comm
-        poll_until(self.test, c.timeout, lambda: timeout_message(c.rank, c.world_size, f"irecv (tag {self.tag})",
-                                                                 c.timeout, self.source))
+        c = self.comm  # worded as recv's: a split group's ranks with their world ranks
+        poll_until(self.test, c.timeout, lambda: str(c._timeout_error(f"irecv (tag {self.tag})", self.source)))
 
 
 class ThreadCommunicator(Communicator):

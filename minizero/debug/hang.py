@@ -234,6 +234,17 @@ def _hang(name, members, per, no_file, mismatch) -> list[str]:
     return out
 
 
+def _spans(ranks: list[int]) -> str:
+    """Ascending ranks as runs: [0, 2, 3, 4, 7] -> '0, 2-4, 7'."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=()) -> list[str]:
     """The findings, one readable line each (``missing``, ``mismatch``, ``hang``, ``last``); hangs ordered
     by when their operation was posted (the earliest is the likely cause); ``["ok: ..."]`` if none.
@@ -244,9 +255,11 @@ def analyze(snaps: dict[int, dict], cut: dict[int, str] | None = None, aside=())
     why = "not sent SIGUSR1? each rank dumps its own record: kill -USR1 every rank's PID" \
         if all(s.get("reason") == "SIGUSR1" for s in snaps.values()) else "stopped or killed before it could"
     lines = [f"missing: rank {r}: its flight file was cut short while being written ({tmp})" if tmp else
-             f"missing: rank {r}: its rank_{r}.json is another job's record (set aside above)" if r in aside else
-             f"missing: rank {r} wrote no flight file ({why})"
-             for r, tmp in no_file.items()]
+             f"missing: rank {r}: its rank_{r}.json is another job's record (set aside above)"
+             for r, tmp in no_file.items() if tmp or r in aside]
+    none = [r for r, tmp in no_file.items() if not tmp and r not in aside]  # one line: one per rank repeated the why
+    if none:
+        lines.append(f"missing: rank{'s' * (len(none) > 1)} {_spans(none)} wrote no flight file ({why})")
     hangs = []
     for (name, members), per in sorted(_groups(snaps).items()):
         mismatch = _first_mismatch(name, members, per)

@@ -51,7 +51,8 @@ def rank_figures(events, pid: int) -> dict:
     per = 1e3 * steps
     return {"steps": steps, "step": (last - first) / per, "compute": _length(compute) / per,
             "exposed": _length(exposed) / per, "overlapped": covered_us(flight, compute) / per,
-            "bubble": _length(waits) / per, "other": (last - first - busy) / per, "waited_on": waited}
+            "bubble": _length(waits) / per, "other": (last - first - busy) / per, "waited_on": waited,
+            "waiting": _length(_union(waits, exposed)) / per}  # a collective over a pipeline wait counted once
 
 
 def _ms(x: float) -> str:  # 6.00, 13,510,798,882,111.49: commas as every report's (a step of 2**54 us takes 21)
@@ -81,7 +82,7 @@ def report(events) -> list[str]:
 
 
 def _verdicts(pids, figs) -> list[str]:  # the straggler and the waiter, each one line before wrapping
-    working = {p: figs[p]["step"] - figs[p]["exposed"] - figs[p]["bubble"] for p in pids}  # not waiting on others
+    working = {p: figs[p]["step"] - figs[p]["waiting"] for p in pids}  # not waiting on others
     defined = "working = step - exposed - bubble: a rank's step less its waits on the others"
     return [defined] + _straggler(pids, figs, working)
 

@@ -149,9 +149,9 @@ class Adam8bit(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE,
                  min_8bit_size=MIN_8BIT_SIZE, code="dynamic", fp32_params=(), master_weights=False):
-        if not isinstance(block_size, int) or block_size < 1 or min_8bit_size < 0:
-            raise ValueError(f"Adam8bit: need block_size >= 1 and min_8bit_size >= 0, got {block_size}, "
-                             f"{min_8bit_size}")
+        for name, v, least in (("block_size", block_size, 1), ("min_8bit_size", min_8bit_size, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:  # NumPy ints as ints
+                raise ValueError(f"Adam8bit: {name}={v!r}; allowed: an int >= {least}")
         super().__init__(params, lr, betas, eps, weight_decay)
         self.block_size, self.min_8bit_size, self.code = block_size, min_8bit_size, code
         codes = make_codes(code)
