@@ -613,7 +613,7 @@ def test_trace_report_splits_each_step_and_names_the_straggler_and_the_waiter(tm
     assert "| 0 | 6.00 | 2.00 | 0.50 | 0.80 | 2.00 | 1.50 |" in out
     assert "slowest rank: 1 (working 5.50 ms/step, compute 4.00 ms/step; 1.57x rank 0's 3.50 ms/step)" in out
     # the term the verdict uses is defined where it is used (a new user could not tell "working" from "compute")
-    assert "working = step - exposed - bubble: a rank's step less its waits on the others" in out
+    assert "working = step - exposed - bubble, their overlap counted once: a rank's step less its waits" in out
     assert ("most waiting: rank 0 (0.50 ms/step in collectives, 2.00 ms/step in pipeline waits, most of it waiting for "
             "pipeline stage 1)") in out
 
@@ -636,6 +636,16 @@ def test_trace_report_of_a_rank_without_working_time_prints_no_infinite_ratio():
     assert "slowest rank: 0 (working 2.00 ms/step, compute 2.00 ms/step; no ratio: rank 7 has no working time (no " \
            "forward-to-optimizer window))" in lines, lines
     assert not any("inf" in line for line in lines), lines
+
+
+def test_trace_report_of_ranks_working_alike_names_no_straggler():
+    """Before: "slowest rank: 0 (...; 1x rank 0's 2.00 ms/step)": a rank compared with itself."""
+    from minizero.debug import timeline
+    events = [e for p in (0, 1) for e in (_ev(p, "forward h.0", "forward", 0, 0, 1000),
+                                          _ev(p, "optimizer", "optimizer", 0, 1000, 1000))]
+    lines = timeline.report(events)
+    assert "no straggler: every rank works 2.00 ms/step" in lines, lines
+    assert not any(line.startswith("slowest rank") for line in lines), lines
 
 
 def test_trace_report_of_one_rank_names_no_straggler():
@@ -718,7 +728,7 @@ def test_trace_report_names_no_waiter_when_no_rank_waits():
               for name, ts in (("forward h.0", 0), ("optimizer", 1000))]
     lines = timeline.report(events)
     assert lines[-1] == "most waiting: none (no rank spent time in collectives or pipeline waits)", lines
-    assert lines[-2].startswith("slowest rank: "), lines
+    assert lines[-2].startswith("no straggler: every rank works "), lines  # alike: no rank against itself
 
 
 def _train_checked(comm, extra, check):

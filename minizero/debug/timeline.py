@@ -83,7 +83,7 @@ def report(events) -> list[str]:
 
 def _verdicts(pids, figs) -> list[str]:  # the straggler and the waiter, each one line before wrapping
     working = {p: figs[p]["step"] - figs[p]["waiting"] for p in pids}  # not waiting on others
-    defined = "working = step - exposed - bubble: a rank's step less its waits on the others"
+    defined = "working = step - exposed - bubble, their overlap counted once: a rank's step less its waits"
     return [defined] + _straggler(pids, figs, working)
 
 
@@ -94,6 +94,8 @@ def _straggler(pids, figs, working) -> list[str]:
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
     if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before; the waiter is still named
         lines = ["no rank has working time (a forward-to-optimizer window, less its waits): no straggler to name"]
+    elif slow == fast:  # every rank alike ('slowest rank: 0 (...; 1x rank 0's ...)' before)
+        lines = [f"no straggler: every rank works {_ms(working[slow])} ms/step"]
     else:
         vs = (f"{significant(working[slow] / working[fast])}x rank {fast}'s {_ms(working[fast])} ms/step"
               if working[fast] > 0 else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")
