@@ -33,6 +33,8 @@ def test_the_ranges_count_with_thousands_separators():
     x = np.ones(2000)
     x[:1500] = np.nan
     assert _range([x]) == "[1, 1], 1,500 of 2,000 not finite"
+    # over several arrays (a module's inputs): the range of all, not of the last (round-3 mutant)
+    assert _range([np.array([-2.0, 5.0]), np.array([1.0, np.inf]), np.array([np.nan])]) == "[-2, 5], 2 of 5 not finite"
 
 
 def test_finite_runs_and_validation_forwards_are_not_reported():
@@ -42,7 +44,8 @@ def test_finite_runs_and_validation_forwards_are_not_reported():
     model(idx)
     assert detector.finding is None
     model.transformer.h[0].attn.c_attn.weight.data[:] = np.nan
-    detector.step = None  # outside a step (validation): not watched
+    detector.on_step_end(None, 0, None)  # after the step (validation): not watched (round-3 mutant: the test set
+    # detector.step = None itself, so on_step_end's reset was never tested)
     model(idx)
     assert detector.finding is None
 
@@ -168,6 +171,7 @@ def _spikes(losses, warmup):
 def test_a_loss_spike_is_compared_once_warmup_steps_are_seen_and_against_the_last_20():
     assert _spikes([4.0, 4.0, 4.0, 9.0], warmup=3) == [(3, 4.0)]  # the 4th step: 3 losses seen, warmup 3
     assert _spikes([100.0] * 20 + [1.0] * 20 + [3.0], warmup=1) == [(40, 1.0)]  # the first 20 fell out of the mean
+    assert _spikes([4.0, 4.0, 8.0], warmup=1) == []  # exactly K x the mean does not exceed it (round-3 mutant: >=)
 
 
 def test_under_fp16_the_first_finding_of_a_step_stays_though_backward_meets_the_inf_too():

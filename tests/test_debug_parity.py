@@ -18,6 +18,10 @@ def test_ranks_of_a_layout():
     assert ranks_of(["--dp=2", "--tp=2"]) == (4, ["--dp=2", "--tp=2"])
     with pytest.raises(ValueError, match="-n needs a number of ranks"):
         ranks_of(["-n", "x"])
+    # the bounds are inclusive, and --model is parity's own flag, not one that writes (round-3 mutants)
+    assert ranks_of(["-n", "64"]) == (64, []) and ranks_of(["--dp", "8", "--tp", "8"])[0] == 64
+    with pytest.raises(ValueError, match="--model is parity's own flag"):
+        ranks_of(["--model", "tiny"])
 
 
 def test_compare_names_the_first_step_and_the_first_parameter():
@@ -33,6 +37,11 @@ def test_compare_names_the_first_step_and_the_first_parameter():
     assert compare(a, a)[0].endswith("(largest parameter difference 0, 'a.w')")  # it named None when all were equal
     one = dict(a, loss=[2.0], norm=[1.0])
     assert compare(one, one)[0].startswith("same: 1 step, every loss")  # it said "1 steps"
+    assert compare(a, a, tol=0.0)[0].startswith("same: 3 steps")  # --tol 0: equal is within it (round-3 mutant: >=)
+    nan = dict(a, params={"a.w": np.where(w > 2, np.nan, w), "b.w": w + 1})  # NaN in both runs: alike (round 3)
+    assert compare(nan, nan)[0].startswith("same: 3 steps"), compare(nan, nan)
+    other = dict(a, params={"a.w": w.T, "b.w": w + 1})  # another shape: said, not broadcast (round-3 mutant)
+    assert "differ: parameter 'a.w' is (2, 3) in A, (3, 2) in B" in compare(a, other), compare(a, other)
 
 
 def _parity(*argv):
