@@ -26,7 +26,7 @@ from minizero.memory.estimator.lora import (
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages, stage_kinds
 from minizero.memory.estimator.traffic import (
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
-    replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
+    pipeline_sends, replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
 
 __all__ = [  # the package's API, re-exported
     "ACCOUNTINGS", "ATTENTIONS", "CATEGORIES", "CP_ATTENTIONS", "DEVICE_CATEGORIES", "LINEAR_SAVES", "MIN_8BIT_SIZE",
@@ -37,6 +37,6 @@ __all__ = [  # the package's API, re-exported
     "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS", "adapted_matrices",
     "adapted_splits", "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate", "estimate_memory",
     "estimate_stages", "stage_kinds", "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops",
-    "korthikanti_flops", "model_flops_per_step", "replica_bytes", "ring_attention_bytes", "tensor_parallel_bytes",
-    "ulysses_attention_bytes",
+    "korthikanti_flops", "model_flops_per_step", "pipeline_sends", "replica_bytes", "ring_attention_bytes",
+    "tensor_parallel_bytes", "ulysses_attention_bytes",
 ]

@@ -1,0 +1,47 @@
+"""Gaps a mutation audit of the estimator and the planner found (each test failed on a mutant the suite let pass, or on
+the code before its fix): figures against the trainer's ledgers and against the papers' formulas."""
+import pytest
+
+from minizero.comm import run_in_threads
+from minizero.memory import estimator as E
+from minizero.memory.estimator import Strategy
+from minizero.memory.estimator.messages import collective_steps, comm_messages_per_step
+from minizero.nn import get_config
+
+
+def _pipeline_traffic(comm, flags, steps):
+    from minizero.loop import train
+    from minizero.train import parse_args
+
+    args = parse_args(["--model", "default", "--dtype", "float64", "--steps", str(steps), "--eval-batches", "1",
+                       "--eval-every", "0", "--progress", "none", "--no-save", *flags], comm.world_size)
+    pp = train(args, comm, log=lambda s: None).traffic["pp"]
+    return args, comm.rank, pp["bytes_sent"], pp["calls"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [["--schedule", "interleaved", "--virtual-stages", "2"], ["--schedule", "1f1b"]])
+def test_pipeline_bytes_and_sends_equal_the_trainers_interleaved_too(flags, monkeypatch):
+    """Per step (a 3-step run's minus a 2-step run's) each stage's pipeline bytes and sends equal the trainer's.
+    Before: an end stage was charged v sends a micro-batch under the interleaved schedule; it sends 2v - 1 (each chunk
+    its output on and its input's gradient back, but for stage 0's first chunk's gradient and stage p-1's last
+    chunk's output): 6 sends where 4 were counted at v 2, m 2."""
+    monkeypatch.setenv("MINIZERO_DEBUG_COLLECTIVES", "0")
+    argv = ["--pp", "2", "--grad-accum", "2", *flags]
+    short, long = (run_in_threads(2, _pipeline_traffic, argv, steps, timeout=280) for steps in (2, 3))
+    for (args, stage, b0, c0), (_, _, b1, c1) in zip(short, long):
+        st = Strategy(pp=2, precision="fp64", micro_batch=args.micro_batch_size, micro_batches=args.grad_accum,
+                      schedule=args.schedule, virtual_stages=args.virtual_stages)
+        cfg = get_config("default", dtype="float64")
+        sends = sum(c1.get(k, 0) - c0.get(k, 0) for k in ("pp_activation", "pp_gradient"))
+        tied = collective_steps("all_reduce", 8 * cfg.vocab_size * cfg.n_embd, 2)  # the tied embedding's gradient
+        assert sends == 2 * E.pipeline_sends(st, stage) == comm_messages_per_step(cfg, st, stage=stage)["pp"] - tied
+        assert b1 - b0 == E.comm_bytes_per_step(cfg, st, stage=stage, accounting="minizero")["pp"], stage
+
+
+def test_pipeline_sends_per_micro_batch():
+    """2v - 1 at either end, 2v in the middle, none without a pipeline (Narayanan et al. 2021, 2.2.2)."""
+    inter = Strategy(pp=4, micro_batches=4, schedule="interleaved", virtual_stages=3)
+    assert [E.pipeline_sends(inter, i) for i in range(4)] == [5, 6, 6, 5]
+    assert [E.pipeline_sends(Strategy(pp=3), i) for i in range(3)] == [1, 2, 1]
+    assert E.pipeline_sends(Strategy(), 0) == 0
