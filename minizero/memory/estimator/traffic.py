@@ -6,7 +6,7 @@ import math
 from minizero.comm.collectives import bytes_sent, shard_range
 from minizero.memory.estimator.model import activation_element, as_shape
 from minizero.memory.estimator.strategy import Strategy, element_bytes, seq_len_at
-from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
+from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters, stage_shard
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
@@ -81,7 +81,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     passes = attn["forward"] * (2 if st.recompute != "none" else 1) + attn["backward"]
     cp = mb * layers * passes  # every layer of the stage (all its chunks), every micro-batch
     pcie = 0.0
-    shard = math.ceil(psi / st.shard_ranks)
+    shard = stage_shard(m, st, stage, accounting)  # the routed experts over N/ep, as their states
     if st.offload in ("optimizer", "params"):
         pcie += (gbytes + pb) * shard
     if st.offload == "params":
