@@ -1,5 +1,7 @@
 """Gaps a mutation audit of the estimator and the planner found (each test failed on a mutant the suite let pass, or on
 the code before its fix): figures against the trainer's ledgers and against the papers' formulas."""
+import dataclasses
+
 import pytest
 
 from minizero.comm import run_in_threads
@@ -61,3 +63,14 @@ def test_offload_traffic_moves_the_shards_the_states_keep(model, ep, offload):
     extra = 2 * st.micro_batches * states["parameters"] if offload == "params" else 0
     assert E.comm_bytes_per_step(m, st, 4096)["pcie"] == states["parameters"] + states["gradients"] + extra
     assert E.stage_shard(m, st) * 2 == states["parameters"]
+
+
+@pytest.mark.parametrize("offload,zero", [("optimizer", 2), ("params", 3)])
+def test_the_nvme_tier_moves_the_host_bytes_to_files(offload, zero):
+    """With ``offload_tier="nvme"`` what the cpu tier keeps in host memory goes to files: ``nvme`` takes the cpu
+    tier's ``offloaded`` bytes and host memory keeps none (a mutant that counted them in both survived the suite)."""
+    m = get_model("llama3-8b")
+    cpu, nvme = (E.estimate_memory(m, Strategy(dp=8, zero=zero, offload=offload, offload_tier=tier), 4096, stage=0)
+                 for tier in ("cpu", "nvme"))
+    assert (nvme.offloaded, nvme.nvme, cpu.nvme) == (0, cpu.offloaded, 0) and cpu.offloaded > 0
+    assert dataclasses.replace(nvme, nvme=0) == dataclasses.replace(cpu, offloaded=0)
