@@ -150,3 +150,14 @@ def test_interleaved_pipeline_buffers_equal_the_trainers_ledger(preset, pp, v, e
                       schedule="interleaved", virtual_stages=v)
         est = E.estimate_memory(get_config(preset, dtype="float64"), st, accounting="minizero", stage=stage)
         assert {c: seen[c] for c in exact} == {c: getattr(est, c) for c in exact}, stage
+
+
+def test_full_recompute_repeats_the_forward_tensor_parallel_all_reduces():
+    """Korthikanti et al. (section 5): a layer's forward has 2 all-reduces of sbh, its backward 2, and full recompute
+    runs the forward again: 6 per layer, 2(t-1)/t x sbh x 2 bytes each, plus the embedding's on stage 0 (a mutant
+    dropping the recompute's 2 survived). GPT-3 at tp 8, one layer per stage (pp 96)."""
+    gpt3 = get_model("gpt3-175b")
+    x = 2 * 2048 * gpt3.hidden
+    for recompute, per_layer in (("none", 4), ("selective", 4), ("full", 6)):
+        st = Strategy(tp=8, pp=96, recompute=recompute)
+        assert E.comm_bytes_per_step(gpt3, st)["tp"] == (per_layer + 1) * 2 * 7 / 8 * x, recompute
