@@ -48,6 +48,10 @@ def test_pipeline_sends_per_micro_batch():
     assert [E.pipeline_sends(inter, i) for i in range(4)] == [5, 6, 6, 5]
     assert [E.pipeline_sends(Strategy(pp=3), i) for i in range(3)] == [1, 2, 1]
     assert E.pipeline_sends(Strategy(), 0) == 0
+    m = get_model("llama3-8b")  # untied: no embedding all-reduce; a middle stage sends both ways (a mutant: one)
+    x = 2 * 4096 * m.hidden  # one (s, h) activation, 2 bytes
+    st = Strategy(pp=4, micro_batches=8)
+    assert [E.comm_bytes_per_step(m, st, 4096, stage=i)["pp"] for i in range(4)] == [8 * x, 16 * x, 16 * x, 8 * x]
 
 
 @pytest.mark.parametrize("offload", ["optimizer", "params"])
