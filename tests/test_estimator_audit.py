@@ -165,3 +165,12 @@ def test_full_recompute_repeats_the_forward_tensor_parallel_all_reduces():
     for recompute, per_layer in (("none", 4), ("selective", 4), ("full", 6)):
         st = Strategy(tp=8, pp=96, recompute=recompute)
         assert E.comm_bytes_per_step(gpt3, st)["tp"] == (per_layer + 1) * 2 * 7 / 8 * x, recompute
+
+
+def test_flash_attention_keeps_its_output_and_an_fp32_log_sum_exp():
+    """FlashAttention (Dao et al. 2022) saves no (s, s) probabilities: Korthikanti's layer without its 5as/h term, plus
+    the core's output (2sbh in 16 bits) and the row log-sum-exp in fp32 (4asb; FlashAttention's softmax_lse is fp32
+    whatever the inputs): GPT-3's layer exactly. A mutant keeping the log-sum-exp in 2 bytes survived."""
+    gpt3 = get_model("gpt3-175b")
+    s, b, h, a = 2048, 1, gpt3.hidden, gpt3.n_head
+    assert E.layer_activation_bytes(gpt3, s, b, attention="flash") == 34 * s * b * h + 2 * s * b * h + 4 * a * s * b
