@@ -174,3 +174,24 @@ def test_flash_attention_keeps_its_output_and_an_fp32_log_sum_exp():
     gpt3 = get_model("gpt3-175b")
     s, b, h, a = 2048, 1, gpt3.hidden, gpt3.n_head
     assert E.layer_activation_bytes(gpt3, s, b, attention="flash") == 34 * s * b * h + 2 * s * b * h + 4 * a * s * b
+
+
+def _all_reduce_scratch_peak(comm, n):
+    import numpy as np
+
+    from minizero.comm.collectives import all_reduce
+    from minizero.ledger import MemoryLedger, get_ledger, set_ledger
+
+    set_ledger(MemoryLedger())
+    all_reduce(comm, np.ones(n))
+    return get_ledger().peak.get("comm_scratch", 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3 * 40000, 3 * 40000 + 1, 3 * 40000 + 2])
+def test_ring_all_reduce_scratch_is_a_chunk_rounded_up(n):
+    """A ring all-reduce of n float64 elements (past recursive doubling's 256 KiB) over 3 ranks keeps one receive chunk
+    of ceil(n/3) elements: the ledger's comm_scratch peak on every rank (a mutant rounding down survived)."""
+    from minizero.memory.estimator.scratch import all_reduce_scratch
+
+    assert run_in_threads(3, _all_reduce_scratch_peak, n) == [all_reduce_scratch(n, 8, 3)] * 3 == [8 * -(-n // 3)] * 3
