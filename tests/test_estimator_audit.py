@@ -195,3 +195,14 @@ def test_ring_all_reduce_scratch_is_a_chunk_rounded_up(n):
     from minizero.memory.estimator.scratch import all_reduce_scratch
 
     assert run_in_threads(3, _all_reduce_scratch_peak, n) == [all_reduce_scratch(n, 8, 3)] * 3 == [8 * -(-n // 3)] * 3
+
+
+def test_zero_infinity_puts_every_state_shard_on_the_host():
+    """ZeRO-Infinity (offload="params", ZeRO-3): the parameter, gradient and optimizer shards all live in host memory
+    (paper accounting), none on the device (a mutant leaving the parameter shard out of ``offloaded`` survived)."""
+    m = get_model("llama3-8b")
+    st = Strategy(dp=8, zero=3, offload="params")
+    est = E.estimate_memory(m, st, 4096, stage=0)
+    states = E.stage_state_bytes(m, st)
+    assert (est.parameters, est.gradients, est.optimizer_state) == (0, 0, 0)
+    assert est.offloaded == sum(states.values())
