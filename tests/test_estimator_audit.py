@@ -206,3 +206,21 @@ def test_zero_infinity_puts_every_state_shard_on_the_host():
     states = E.stage_state_bytes(m, st)
     assert (est.parameters, est.gradients, est.optimizer_state) == (0, 0, 0)
     assert est.offloaded == sum(states.values())
+
+
+def test_a_bucket_filled_exactly_to_its_size_stays_one_bucket():
+    """DataParallel closes a bucket only when the next gradient would pass its size: tensors filling it exactly share
+    it, and the estimator's largest bucket (comm_scratch's ZeRO-0 term) is theirs (a mutant closing it at the size
+    survived: no bucket in the suite hit its size exactly)."""
+    import types
+
+    from minizero.memory.estimator.scratch import largest_bucket
+    from minizero.nn import GPT
+    from minizero.parallel.data_parallel import DataParallel
+
+    model = GPT(get_config("tiny"))
+    sizes = get_model("minizero-tiny").tensor_sizes()
+    for bucket in (4 * sum(sizes), 4 * sum(sizes[-2:])):  # every gradient; backward's first two: exactly
+        dp = DataParallel(model.parameters(), types.SimpleNamespace(world_size=2), bucket_bytes=bucket,
+                          broadcast_params=False)
+        assert largest_bucket(sizes, 4, bucket) == max(flat.size for flat, _ in dp.buckets), bucket
