@@ -15,7 +15,7 @@ from minizero.layout_checks import (ep_allows_offload, ep_allows_optimizer, flas
                                     offloads_optimizer, precision_fits, sequence_parallel_fits, zero_fits_pipeline)
 from minizero.memory.estimator import (
     CP_ATTENTIONS, OFFLOAD, RECOMPUTE, ModelShape, Strategy, element_bytes, comm_bytes_per_step, estimate_stages,
-    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters)
+    model_flops_per_step, replica_bytes, stage_expert_parameters, stage_kinds, stage_parameters, stage_shard)
 from minizero.memory.estimator.messages import message_steps
 from minizero.numerals import NotANumber, real
 from minizero.parallel.schedule import bubble_over_ideal
@@ -271,9 +271,7 @@ def _layouts(tp, pp, cp, dp, sched, v, micro_batch, global_batch, precision, opt
 
 def _state_shard(model: ModelShape, st: Strategy, stage: int = 0) -> float:
     """Elements of ``stage`` on one rank after ZeRO's split over N shard ranks: dense / N + experts / (N / ep)."""
-    experts, psi = stage_expert_parameters(model, st, stage), stage_parameters(model, st, stage)
-    d = st.shard_ranks  # N: all dp x cp data ranks, or hybrid sharding's group
-    return math.ceil((psi - experts) / d) + (math.ceil(experts * st.ep / d) if experts else 0)
+    return stage_shard(model, st, stage)  # N: all dp x cp data ranks, or hybrid sharding's group
 
 
 def _gather_after_step(model: ModelShape, st: Strategy, stage: int = 0) -> float:

@@ -18,7 +18,7 @@ from minizero.memory.estimator.model import (
     ModelShape, activation_element, as_shape, gb, gib, precision_for_dtype)
 from minizero.memory.estimator.strategy import Strategy, element_bytes, expert_tp
 from minizero.memory.estimator.states import (
-    model_state_bytes, stage_expert_parameters, stage_layers, stage_parameters, stage_state_bytes)
+    model_state_bytes, stage_expert_parameters, stage_layers, stage_parameters, stage_shard, stage_state_bytes)
 from minizero.memory.estimator.activations import (
     Saved, activation_bytes, in_flight, layer_activation_bytes, layer_rows, saved_outside_layers, saved_per_layer)
 from minizero.memory.estimator.lora import (
@@ -26,17 +26,17 @@ from minizero.memory.estimator.lora import (
 from minizero.memory.estimator.totals import MemoryEstimate, estimate_memory, estimate_stages, stage_kinds
 from minizero.memory.estimator.traffic import (
     comm_bytes_per_step, expert_all_to_all_bytes, kaplan_flops, korthikanti_flops, model_flops_per_step,
-    replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
+    pipeline_sends, replica_bytes, ring_attention_bytes, tensor_parallel_bytes, ulysses_attention_bytes)
 
 __all__ = [  # the package's API, re-exported
     "ACCOUNTINGS", "ATTENTIONS", "CATEGORIES", "CP_ATTENTIONS", "DEVICE_CATEGORIES", "LINEAR_SAVES", "MIN_8BIT_SIZE",
     "OFFLOAD", "OFFLOAD_MIN_BYTES", "OFFLOAD_TIERS", "OPTIMIZERS", "PRECISIONS", "QUANT_BLOCK", "RECOMPUTE",
     "SCHEDULES", "ZERO_STAGES", "ModelShape", "Strategy", "element_bytes", "expert_tp", "activation_element",
     "as_shape", "gb", "gib", "precision_for_dtype", "model_state_bytes", "stage_expert_parameters", "stage_layers",
-    "stage_parameters", "stage_state_bytes", "Saved", "activation_bytes", "in_flight", "layer_activation_bytes",
-    "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS", "adapted_matrices",
-    "adapted_splits", "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate", "estimate_memory",
-    "estimate_stages", "stage_kinds", "comm_bytes_per_step", "expert_all_to_all_bytes", "kaplan_flops",
-    "korthikanti_flops", "model_flops_per_step", "replica_bytes", "ring_attention_bytes", "tensor_parallel_bytes",
-    "ulysses_attention_bytes",
+    "stage_parameters", "stage_shard", "stage_state_bytes", "Saved", "activation_bytes", "in_flight",
+    "layer_activation_bytes", "layer_rows", "saved_outside_layers", "saved_per_layer", "LORA_BASES", "LORA_TARGETS",
+    "adapted_matrices", "adapted_splits", "lora_activation_bytes", "lora_state_bytes", "nf4_bytes", "MemoryEstimate",
+    "estimate_memory", "estimate_stages", "stage_kinds", "comm_bytes_per_step", "expert_all_to_all_bytes",
+    "kaplan_flops", "korthikanti_flops", "model_flops_per_step", "pipeline_sends", "replica_bytes",
+    "ring_attention_bytes", "tensor_parallel_bytes", "ulysses_attention_bytes",
 ]

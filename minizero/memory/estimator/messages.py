@@ -16,7 +16,7 @@ from minizero.memory.estimator.model import as_shape
 from minizero.memory.estimator.scratch import DEFAULT_BUCKET_BYTES
 from minizero.memory.estimator.states import stage_layers, stage_parameters
 from minizero.memory.estimator.strategy import Strategy, element_bytes
-from minizero.memory.estimator.traffic import tensor_parallel_calls
+from minizero.memory.estimator.traffic import pipeline_sends, tensor_parallel_calls
 from minizero.memory.estimator.zero_overlap import zero_units
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send")
@@ -91,7 +91,7 @@ def message_steps(model, strategy: Strategy, seq_len: int | None = None, stage: 
     replica all-reduce; "dp" the rest). Per :func:`collective_steps`, m micro-batches, u ZeRO units: ZeRO 0 one
     all-reduce per gradient bucket (``bucket_bytes``) a step; ZeRO 1 u reduce-scatters, ZeRO 2 m u, ZeRO 3 m u plus 2 m
     u all-gathers; ZeRO 1-2 u all-gathers after the step. tp: the all-reduces of ``comm_bytes_per_step``'s count (SP:
-    an all-gather and a reduce-scatter each). pp: one send per micro-batch and boundary. cp: per layer and
+    an all-gather and a reduce-scatter each). pp: ``traffic.pipeline_sends`` sends a micro-batch. cp: per layer and
     micro-batch, ring attention's c-1 passes forward and 2c-1 backward, Ulysses' 4 all-to-alls each way. ep: per MoE
     block and micro-batch 5 all-to-alls forward (counts, then dispatch and combine with their counts), 4 backward.
     Second dict: of them, those crossing nodes (:func:`inter_node_steps`; layout tp-cp-dp-pp, tp innermost)."""
@@ -128,7 +128,7 @@ def message_steps(model, strategy: Strategy, seq_len: int | None = None, stage: 
             add("tp", op, x, t, 1, calls)
     if st.pp > 1:  # the next stage: tp x cp x dp GPUs on
         ends, gap = stage in (0, st.pp - 1), st.world_size // st.pp
-        add("pp", "send", 0, st.pp, gap, mb * (1 if ends else 2) * st.virtual_stages)
+        add("pp", "send", 0, st.pp, gap, mb * pipeline_sends(st, stage))
         if m.tied_embeddings and ends:
             add("pp", "all_reduce", gb * m.vocab_shard(t), 2, gap * (st.pp - 1))
     passes = 2 if st.recompute != "none" else 1  # forward again under recompute, as the bytes

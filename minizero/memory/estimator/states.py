@@ -73,3 +73,13 @@ def stage_state_bytes(model, strategy: Strategy, stage: int = 0, vocab_parallel:
         return dense
     routed = model_state_bytes(experts, st.expert_shard_ranks, st.zero, st.precision, st.optimizer)
     return {k: dense[k] + routed[k] for k in dense}
+
+
+def stage_shard(model, strategy: Strategy, stage: int = 0, accounting: str = "paper") -> int:
+    """Elements of stage ``stage`` one rank keeps after ZeRO's split (the shard an offload moves each step): the dense
+    part over the N shard ranks, the routed experts over their N/ep holders, each shard rounded up, as
+    :func:`stage_state_bytes` splits them."""
+    st = strategy
+    experts = stage_expert_parameters(model, st, stage, accounting)
+    dense = stage_parameters(model, st, stage, accounting=accounting) - experts
+    return math.ceil(dense / st.shard_ranks) + (math.ceil(experts / st.expert_shard_ranks) if experts else 0)

@@ -101,9 +101,11 @@ def _stage_estimate(m: ModelShape, st: Strategy, s: int, accounting: str, stage:
         boundary = e * (s // st.cp) * st.micro_batch * m.hidden // split  # one (b, s/cp, h) activation
         if accounting == "minizero":  # parallel/pipeline.py: the dL/d(input) buffer it sends back (not stage 0);
             # two at once when backwards run back to back with no receive to flush the pending send
-            # (the last stage under GPipe)
+            # (the last stage under GPipe); interleaved: every stage, stage 0's later chunks sending back too
+            # (its sends never block, so the last one is still pending at the next backward)
             back_to_back = stage == st.pp - 1 and st.schedule == "gpipe" and st.micro_batches > 1
-            comm += (2 if back_to_back else 1) * boundary if stage > 0 else 0
+            interleaved = st.schedule == "interleaved"
+            comm += (2 if back_to_back or interleaved else 1) * boundary if stage > 0 or interleaved else 0
         else:  # receive buffers: the activation forward, the gradient backward
             comm += 2 * boundary
     scratch = comm_scratch_bytes(m, st, stage, accounting)

@@ -6,7 +6,7 @@ import math
 from minizero.comm.collectives import bytes_sent, shard_range
 from minizero.memory.estimator.model import activation_element, as_shape
 from minizero.memory.estimator.strategy import Strategy, element_bytes, seq_len_at
-from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters
+from minizero.memory.estimator.states import stage_expert_parameters, stage_layers, stage_parameters, stage_shard
 from minizero.memory.estimator.activations import _layer_stored, layer_rows
 
 
@@ -23,6 +23,13 @@ def tensor_parallel_calls(m, st: Strategy, stage: int) -> int:
     return st.micro_batches * ((m.n_layer // st.pp) * per_layer + (stage == 0) + (stage == st.pp - 1))
 
 
+def pipeline_sends(st: Strategy, stage: int) -> int:
+    """Activations and gradients a rank of pipeline stage ``stage`` sends per micro-batch: each of its v chunks sends
+    its output on and its input's gradient back, but for the first chunk's gradient (stage 0) and the last chunk's
+    output (stage p-1): 2v, or 2v - 1 at either end (Narayanan et al. 2021, 2.2.2; 0 at pp 1)."""
+    return 0 if st.pp == 1 else 2 * st.virtual_stages - (stage in (0, st.pp - 1))
+
+
 def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, stage: int = 0,
                         accounting: str = "paper") -> dict:
     """Bytes one rank of pipeline stage ``stage`` sends per optimizer step, by parallelism (ring collectives).
@@ -34,9 +41,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     layer and micro-batch 4 all-reduces of sbh e, 2(t-1)/t each (full recompute +2), plus the vocab-parallel embedding's
     and head's (sequence parallelism: Korthikanti et al.'s count, the same bytes; it leaves out the re-gathers for dW in
     backward that Megatron-LM and minizero send); ``"minizero"``: :func:`tensor_parallel_bytes`, what the trainer sends.
-    ``pp``: per micro-batch and chunk sbh e / t each way, plus the tied embedding's gradient. ``cp``:
-    :func:`ring_attention_bytes` (or, for ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward and
-    backward, and forward again under recompute. ``pcie``: offload traffic.
+    ``pp``: per micro-batch sbh e / t in each of :func:`pipeline_sends`' sends, plus the tied embedding's gradient.
+    ``cp``: :func:`ring_attention_bytes` (or, for ``cp_attention="ulysses"``, :func:`ulysses_attention_bytes`) forward
+    and backward, and forward again under recompute. ``pcie``: offload traffic.
 
     Activation messages use the precision's activation itemsize (bf16/fp8: 2, a GPU's; minizero's emulation
     sends float32, twice that). Returns: {"dp", "tp", "pp", "cp", "ep", "pcie"} in bytes; with cp > 1
@@ -62,10 +69,9 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
         tp = tensor_parallel_calls(m, st, stage) * 2 * _ring(t) * x
     pp = 0.0
     if st.pp > 1:
-        boundaries = (1 if stage in (0, st.pp - 1) else 2) * st.virtual_stages
         # each tensor rank sends its stage's whole output (paper: 1/t, Megatron's scatter-gather; minizero splits it
         # only under sequence parallelism, parallel/pipeline.py)
-        pp = mb * boundaries * x / (t if accounting == "paper" or st.sequence_parallel else 1)
+        pp = mb * pipeline_sends(st, stage) * x / (t if accounting == "paper" or st.sequence_parallel else 1)
         if m.tied_embeddings and stage in (0, st.pp - 1):
             pp += gbytes * m.vocab_shard(t)  # 2-rank all-reduce
     if st.cp_attention == "ulysses":
@@ -75,7 +81,7 @@ def comm_bytes_per_step(model, strategy: Strategy, seq_len: int | None = None, s
     passes = attn["forward"] * (2 if st.recompute != "none" else 1) + attn["backward"]
     cp = mb * layers * passes  # every layer of the stage (all its chunks), every micro-batch
     pcie = 0.0
-    shard = math.ceil(psi / st.shard_ranks)
+    shard = stage_shard(m, st, stage, accounting)  # the routed experts over N/ep, as their states
     if st.offload in ("optimizer", "params"):
         pcie += (gbytes + pb) * shard
     if st.offload == "params":
