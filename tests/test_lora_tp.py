@@ -399,3 +399,18 @@ def test_the_tied_head_is_refused_before_the_model_is_split():
         return type(model.transformer["h"][0].attn) is CausalSelfAttention
 
     assert run_in_threads(2, run, timeout=60) == [True, True]
+
+
+def test_a_qlora_split_across_nf4_blocks_is_refused_before_the_model_is_split():
+    """tensor_parallel_lora's own check (nf4_shard_refusal) comes before tensor_parallelize: tiny's attn.c_proj at
+    tp 2 is runs of 8 elements, not whole NF4 blocks. Without it the split ran first and NF4 refused mid-way, leaving
+    the caller's model split and unadapted."""
+    from minizero.nn.gpt import CausalSelfAttention
+
+    def run(comm):
+        model = GPT(get_config("tiny"), seed=1)
+        with pytest.raises(ValueError, match="QLoRA would quantize blocks across shards"):
+            tensor_parallel_lora(model, comm, 2, 4.0, base="nf4")
+        return type(model.transformer["h"][0].attn) is CausalSelfAttention
+
+    assert run_in_threads(2, run, timeout=60) == [True, True]
