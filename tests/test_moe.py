@@ -275,3 +275,22 @@ def test_load_routing_state_sets_the_biases_and_names_the_layers_it_has_none_for
     m = ModuleDict({"a": MoELayer(4, 4, 4), "b": MoELayer(4, 4, 4)})
     assert load_routing_state(m, {"a": [0.5, 0.0, -0.5, 0.25]}) == ["b"]
     assert routing_state(m) == {"a": [0.5, 0.0, -0.5, 0.25], "b": [0.0] * 4}
+
+
+def test_whole_experts_holds_all_experts_inside_and_the_slice_again_after():
+    """ep 2: inside, w1 is the one-process (E, C, H) tensor; on exit the rank's own slice object again (Round-4
+    mutant: the slices never put back, every rank then training all E experts, passed every other test)."""
+    from minizero.nn.module import ModuleDict
+    from minizero.parallel.expert_parallel import whole_experts
+    whole = MoELayer(top_k=2, **KW).w1.data
+
+    def run(comm):
+        layer = MoELayer(top_k=2, comm=comm, **KW)
+        layer.w1.expert = layer.w2.expert = True
+        mine = layer.w1.data
+        with whole_experts(ModuleDict({"m": layer}), comm):
+            inside = layer.w1.data.copy()
+        return inside, layer.w1.data is mine
+
+    for inside, back in run_in_threads(2, run, timeout=60):
+        assert back and np.array_equal(inside, whole)
