@@ -31,7 +31,8 @@ from minizero.memory.estimator.lora import nf4_shard_bytes, nf4_shard_runs
 from minizero.nf4 import NF4Shard, NF4Tensor, block_absmax, nf4_shard_nbytes
 from minizero.nn import GPT, PRESETS, get_config
 from minizero.nn.gpt import GPTConfig
-from minizero.nn.lora import LoRAAdapter, LoRALinear, add_lora
+from minizero.nn.lora import LoRAAdapter, LoRALinear, NF4Linear, add_lora
+from minizero.nn.module import Linear
 from minizero.parallel.lora_tp import ColumnParallelLoRAAdapter, RowParallelLoRAAdapter, tensor_parallel_lora
 from minizero.parallel.tensor_parallel import shard_array
 from minizero.progress import Progress
@@ -399,3 +400,37 @@ def test_the_tied_head_is_refused_before_the_model_is_split():
         return type(model.transformer["h"][0].attn) is CausalSelfAttention
 
     assert run_in_threads(2, run, timeout=60) == [True, True]
+
+
+def test_a_qlora_split_across_nf4_blocks_is_refused_before_the_model_is_split():
+    """tensor_parallel_lora's own check (nf4_shard_refusal) comes before tensor_parallelize: tiny's attn.c_proj at
+    tp 2 is runs of 8 elements, not whole NF4 blocks. Without it the split ran first and NF4 refused mid-way, leaving
+    the caller's model split and unadapted."""
+    from minizero.nn.gpt import CausalSelfAttention
+
+    def run(comm):
+        model = GPT(get_config("tiny"), seed=1)
+        with pytest.raises(ValueError, match="QLoRA would quantize blocks across shards"):
+            tensor_parallel_lora(model, comm, 2, 4.0, base="nf4")
+        return type(model.transformer["h"][0].attn) is CausalSelfAttention
+
+    assert run_in_threads(2, run, timeout=60) == [True, True]
+
+
+def test_a_row_parallel_nf4_shard_adds_its_bias_once():
+    """g(x_i W~_i^T) + b against the one-process NF4Linear, with a nonzero bias (the fine-tune tests' fresh GPTs have
+    zero biases: Round-4 mutant: the bias added on every rank before the sum, tp b, passed every other test)."""
+    from minizero.parallel.lora_tp import RowParallelNF4Linear
+    from minizero.parallel.tensor_parallel import RowParallelLinear
+    rng = np.random.default_rng(12)
+    lin = Linear(128, 8, dtype="float64", rng=rng)
+    lin.bias.data[...] = rng.normal(size=8)
+    x = rng.normal(size=(3, 128))
+    want = NF4Linear(lin, "float64")(Tensor(x)).data
+
+    def run(comm):
+        q = RowParallelNF4Linear(RowParallelLinear.from_linear(lin, comm), "float64")
+        return q(Tensor(x[:, 64 * comm.rank:64 * (comm.rank + 1)])).data
+
+    for got in run_in_threads(2, run, timeout=60):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())

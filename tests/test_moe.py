@@ -8,7 +8,9 @@
 * The router z-loss (value and gradient against central differences); the bias moves the choice, not the gate.
 * The capacity rounds up (exact drops); the Switch loss is E sum f P against NumPy, 1.0 when uniform; MoEMLP seeds
   each loss with its own coefficient.
-* Refused: experts not divisible by ep, top_k out of range.
+* Refused: experts not divisible by ep, top_k out of range, capacity_factor not above 0.
+* By hand (mutation audit, round 4): a top-2 output is p_a E_a(x) + p_b E_b(x); the router's gradient of the output
+  (through the gates) is central differences; --moe-every 2 is blocks 1, 3, ...; load_routing_state names what it lacks.
 """
 import os
 import subprocess
@@ -18,7 +20,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from minizero.autograd import Tensor
+from minizero.autograd import Tensor, no_grad
 from minizero.autograd.functional import gelu
 from minizero.comm import run_in_threads
 from minizero.parallel.moe import MoELayer, route
@@ -122,6 +124,9 @@ def test_bad_arguments_are_refused():
         run_in_threads(2, lambda comm: MoELayer(4, 4, 3, comm=comm))
     with pytest.raises(ValueError, match="top_k=5"):
         MoELayer(4, 4, 4, top_k=5)
+    for cf in (0.0, -1.0, float("nan")):  # capacity 0 or below would drop every choice silently
+        with pytest.raises(ValueError, match="capacity_factor=.* must be > 0"):
+            MoELayer(4, 4, 4, capacity_factor=cf)
 
 
 def test_router_z_loss_is_mean_squared_logsumexp_and_its_gradient_is_right():
@@ -211,3 +216,81 @@ def test_the_mlp_seeds_each_loss_with_its_own_coefficient_times_the_seed():
     ((ref.aux_loss * 0.3 + ref.z_loss * 0.02) * 0.25).backward()
     want = ref.router.grad
     np.testing.assert_allclose(mlp.moe.router.grad, want, rtol=0, atol=1e-14 * np.abs(want).max())
+
+
+def test_the_router_gradient_of_the_output_is_central_differences():
+    """d sum(out * w) / d router through the gates p_e (top-2, with drops) against central differences in float64.
+    (Round-4 mutant: the gates detached, the router learning from the losses alone, passed every other test.)"""
+    rng = np.random.default_rng(8)
+    x, w = rng.normal(size=(12, KW["n_embd"])), rng.normal(size=(12, KW["n_embd"]))
+    layer = MoELayer(top_k=2, **KW)
+    (layer(Tensor(x)) * Tensor(w)).sum().backward()
+    assert layer.dropped > 0
+    r, h = layer.router.data.copy(), 1e-6
+
+    def loss(router):
+        layer.router.data[...] = router
+        with no_grad():
+            return float((layer(Tensor(x)).data * w).sum())
+    num = np.zeros_like(r)
+    for i in np.ndindex(r.shape):
+        d = np.zeros_like(r)
+        d[i] = h
+        num[i] = (loss(r + d) - loss(r - d)) / (2 * h)
+    assert np.abs(num).max() > 0
+    np.testing.assert_allclose(layer.router.grad, num, rtol=0, atol=1e-7 * np.abs(num).max())
+
+
+def test_a_top2_output_is_the_gate_weighted_sum_of_both_experts():
+    """No drops (capacity 2 T k / E >= T): each token's output is p_a E_a(x) + p_b E_b(x) over its two most probable
+    experts, the gates not renormalised (the module's convention), by hand in float64. (Round-4 mutant: the combine
+    setting rows instead of adding them, a token's first choice lost, passed every other test.)"""
+    x = np.random.default_rng(11).normal(size=(12, KW["n_embd"]))
+    layer = MoELayer(top_k=2, **{**KW, "capacity_factor": 2.0})
+    out = layer(Tensor(x)).data
+    assert layer.dropped == 0
+    logits = x @ layer.router.data
+    prob = np.exp(logits - logits.max(1, keepdims=True))
+    prob /= prob.sum(1, keepdims=True)
+    want = np.zeros_like(x)
+    for t in range(12):
+        for e in np.argsort(-prob[t])[:2]:
+            y = gelu(Tensor(x[t:t + 1]) @ Tensor(layer.w1.data[e])) @ Tensor(layer.w2.data[e])
+            want[t] += prob[t, e] * y.data[0]
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-14 * np.abs(want).max())
+
+
+def test_every_other_block_is_blocks_one_three_and_so_on():
+    """--moe-every 2 puts MoE in blocks every-1, 2 every-1, ... (GShard / Switch: the second of each pair).
+    (Round-4 mutant: blocks 0, 2, ... passed every other test: layouts and resumes ran the same rule.)"""
+    from minizero.parallel.expert_parallel import MoEConfig
+    assert MoEConfig(experts=4, every=2).layers(5) == [1, 3]
+    assert MoEConfig(experts=4, every=1).layers(3) == [0, 1, 2]
+
+
+def test_load_routing_state_sets_the_biases_and_names_the_layers_it_has_none_for():
+    """The loader's second check behind the manifest's (Round-4 mutant: an empty list always passed every test)."""
+    from minizero.nn.module import ModuleDict
+    from minizero.parallel.expert_parallel import load_routing_state, routing_state
+    m = ModuleDict({"a": MoELayer(4, 4, 4), "b": MoELayer(4, 4, 4)})
+    assert load_routing_state(m, {"a": [0.5, 0.0, -0.5, 0.25]}) == ["b"]
+    assert routing_state(m) == {"a": [0.5, 0.0, -0.5, 0.25], "b": [0.0] * 4}
+
+
+def test_whole_experts_holds_all_experts_inside_and_the_slice_again_after():
+    """ep 2: inside, w1 is the one-process (E, C, H) tensor; on exit the rank's own slice object again (Round-4
+    mutant: the slices never put back, every rank then training all E experts, passed every other test)."""
+    from minizero.nn.module import ModuleDict
+    from minizero.parallel.expert_parallel import whole_experts
+    whole = MoELayer(top_k=2, **KW).w1.data
+
+    def run(comm):
+        layer = MoELayer(top_k=2, comm=comm, **KW)
+        layer.w1.expert = layer.w2.expert = True
+        mine = layer.w1.data
+        with whole_experts(ModuleDict({"m": layer}), comm):
+            inside = layer.w1.data.copy()
+        return inside, layer.w1.data is mine
+
+    for inside, back in run_in_threads(2, run, timeout=60):
+        assert back and np.array_equal(inside, whole)

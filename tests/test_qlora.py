@@ -19,7 +19,7 @@ import pytest
 from minizero.autograd import Tensor, backward, functional as F
 from minizero.nf4 import BLOCK, BLOCK2, NF4_LEVELS, NF4Tensor, nf4_nbytes, normal_float_levels
 from minizero.nn import GPT, Linear, get_config
-from minizero.nn.lora import LoRALinear, NF4Linear, add_lora, merged_state_dict, trainable_parameters
+from minizero.nn.lora import LoRAAdapter, LoRALinear, NF4Linear, add_lora, merged_state_dict, trainable_parameters
 from minizero.quantization import dynamic_code
 from tests.conftest import REPO_ROOT, mpi_env, one_refusal
 
@@ -133,8 +133,13 @@ def test_nf4_linear_is_the_dequantized_weight_and_has_no_weight_gradient():
     x = Tensor(rng.normal(size=(3, 128)).astype(np.float32), requires_grad=True)
     out = q(x)
     np.testing.assert_array_equal(out.data, F.linear(Tensor(x.data), Tensor(q.weight_nf4.dequantize()), lin.bias).data)
-    backward(out, np.ones_like(out.data))
-    assert x.grad is not None and lin.bias.grad is None and not list(q.parameters())[0].requires_grad
+    g = rng.normal(size=out.shape).astype(np.float32)
+    backward(out, g)
+    assert lin.bias.grad is None and not list(q.parameters())[0].requires_grad
+    # dx = g W~ (Round-4 mutant: dx halved passed every test, which asked only that x.grad exist or compared layouts)
+    want = g.astype(np.float64) @ q.weight_nf4.dequantize().astype(np.float64)
+    assert x.grad.dtype == np.float32
+    np.testing.assert_allclose(x.grad, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +325,27 @@ def test_data_parallel_finetune_equals_one_process(mpiexec, tmp_path, method):
         np.testing.assert_allclose(got[2][name], a, rtol=0, atol=1e-10 * max(1.0, np.abs(a).max()), err_msg=name)
         moved += not np.array_equal(a, base_w[name])
     assert moved  # fine-tuning changed the weights (the comparison is not of two untouched copies)
+
+
+def test_a_fresh_adapter_is_a_drawn_with_std_r_to_the_minus_half_and_b_zero():
+    """Hu et al. sec. 4.1: A random Gaussian (here N(0, 1/r), the first draw from rng), B zero, scale alpha / r.
+    (Round-4 mutant: A drawn with std 1 passed every other test.)"""
+    a = LoRAAdapter(7, 5, 4, 12.0, np.random.default_rng(2), dtype="float64")
+    assert a.scale == 3.0
+    np.testing.assert_array_equal(a.lora_A.data, np.random.default_rng(2).normal(0.0, 0.5, (4, 7)))
+    assert a.lora_B.shape == (5, 4) and not a.lora_B.data.any()
+
+
+@pytest.mark.parametrize("r,alpha", [(0, 1.0), (-1, 1.0), (2, 0.0), (2, -4.0), (2, float("nan"))])
+def test_a_rank_below_one_or_an_alpha_not_above_zero_is_refused(r, alpha):
+    """The layer's own refusal (finetune's flags are checked before it; Round-4 mutants removing either half passed)."""
+    lin = Linear(6, 5, dtype="float64", rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"LoRA needs rank r >= 1 and alpha > 0"):
+        LoRALinear(lin, 6, 5, r=r, alpha=alpha, rng=np.random.default_rng(0))
+
+
+def test_an_unknown_base_is_refused_before_anything_changes():
+    model = GPT(get_config("tiny"), seed=1)
+    with pytest.raises(ValueError, match=r"unknown LoRA base 'NF4'; allowed: 'nf4', 'float'"):
+        add_lora(model, 2, 4.0, base="NF4")  # taken for a float base before
+    assert all(p.requires_grad for p in model.parameters())
