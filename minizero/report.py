@@ -210,7 +210,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                                ("its experts", args.moe_experts > 0 and args.ep > 1)) if here]
     holds = (f"split over the ranks: each holds {', '.join(split)}" if split else "every rank holds them all"
              + (": context parallelism splits the sequence, not the model" if args.cp > 1 else ""))
-    notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step " if args.zero else
+    notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step: " if args.zero else
                   f"model states per rank at the optimizer step ({holds}): ")
                  + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))
