@@ -136,6 +136,20 @@ def _json_safe(x):
     return x
 
 
+def startup_tree(args) -> str:
+    """How the start-up broadcast of the parameters runs, for the per-rank traffic line ('' under --native-comm).
+
+    One tree from rank 0 only where the data group is the world; with tp or pp each data group (one per stage and
+    tensor rank), and with ep each expert-data group for the experts, broadcasts from its own first rank."""
+    if args.native_comm:
+        return ""
+    experts = args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1  # as the reductions' edp note
+    if args.tp == 1 and args.pp == 1 and not experts:
+        return ": a binomial tree from rank 0, whose leaves send nothing"
+    groups = "each data group" + (" (the experts: each expert-data group)" if experts else "")
+    return f": a binomial tree in {groups} from its first rank, whose leaves send nothing"
+
+
 def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
     """Rank 0: print the final report; write ``OUT/model.npz``, the JSON summary, the plots, then the sample's text
     into the summary (cheap and precious first).
@@ -169,7 +183,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                 else ")"),
              "bytes sent per rank: " + per_rank_text([format_bytes(s["bytes_sent"]) for s in stats])]
     copy = args.tp > 1 or args.pp > 1 or (args.moe_experts > 0 and args.ep > 1)  # the model below: a gathered copy
-    tree = "" if args.native_comm else ": a binomial tree from rank 0, whose leaves send nothing"
+    tree = startup_tree(args)
     params_sharded = shards_parameters(args.zero)  # the model needs a final gather
     gathers = [w for w, here in ((f"the start-up broadcast{tree}", not args.zero and args.dp * args.cp > 1),
                                  ("ZeRO's gathers, its start-up all-gather of the shards included",
@@ -196,7 +210,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                                ("its experts", args.moe_experts > 0 and args.ep > 1)) if here]
     holds = (f"split over the ranks: each holds {', '.join(split)}" if split else "every rank holds them all"
              + (": context parallelism splits the sequence, not the model" if args.cp > 1 else ""))
-    notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step " if args.zero else
+    notes.append((f"ZeRO stage {args.zero}: model states per rank at the optimizer step: " if args.zero else
                   f"model states per rank at the optimizer step ({holds}): ")
                  + per_rank_text(
         [format_bytes(z["parameters"] + z["gradients"] + z["optimizer_state"]) for z in zero]))

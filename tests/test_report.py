@@ -99,3 +99,25 @@ def test_one_step_is_said_in_the_singular():
     assert "after 1 step, 0.4 s" in _lines([5.0], 5.2, warmup=0)[0]
     assert steps_drawn(0, 1, 1) == "1 step" and counted(2, "step") == "2 steps"
     assert counted(1024, "rank") == "1,024 ranks"
+
+
+
+def test_the_start_up_broadcast_names_its_roots():
+    """Under pp 2 rank 2 broadcast its stage to rank 3, and under ep 2 rank 1 the experts to 3, 5 and 7, while the
+    line said 'a binomial tree from rank 0, whose leaves send nothing' beside r2 3.15 MiB and r1 12.00 MiB."""
+    from minizero.args import parse_args
+    from minizero.report import startup_tree
+
+    def tree(flags, n):
+        return startup_tree(parse_args(flags.split(), world_size=n))
+    world = ": a binomial tree from rank 0, whose leaves send nothing"
+    assert tree("", 8) == world
+    assert tree("--cp 2", 8) == world  # cp ranks are in the data group: still the world
+    assert tree("--moe-experts 4 --ep 4", 4) == world  # expert-data groups of one rank: no broadcast
+    each = ": a binomial tree in each data group from its first rank, whose leaves send nothing"
+    assert tree("--pp 2", 4) == each
+    assert tree("--tp 2", 4) == each
+    assert tree("--moe-experts 4 --ep 2", 8) == (
+        ": a binomial tree in each data group (the experts: each expert-data group) from its first rank, whose "
+        "leaves send nothing")
+    assert tree("--pp 2 --native-comm", 4) == ""

@@ -231,6 +231,8 @@ def test_zero3_final_gather_is_in_the_figures_only_where_the_report_says(mpiexec
                  "ZeRO's gathers; the final gather for the weights and the sample, one forward's gathers more, "
                  "comes after these figures")
         assert f"  parameter gathers and broadcasts ({label}" in proc.stdout.replace("\n    ", " "), proc.stdout  # wrapped
+        # 'at the optimizer step r0-1 ...': the figures ran into the words, where every other layout has a colon
+        assert "ZeRO stage 3: model states per rank at the optimizer step: r0" in " ".join(proc.stdout.split())
 
 def test_blas_threads_honour_the_users_cap(monkeypatch):
     """Before: OPENBLAS_NUM_THREADS=1 was overridden by cores / ranks (and the report said so without a word)."""
