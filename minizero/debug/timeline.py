@@ -59,6 +59,9 @@ def _ms(x: float) -> str:  # 6.00, 13,510,798,882,111.49: commas as every report
     return in_width(x, 24, 2).lstrip()
 
 
+#: the slowest rank's working time over the fastest's from which the verdict names a straggler (below it: timing
+#: noise, as 1.01x on a balanced pipeline)
+STRAGGLER_RATIO = 1.1
 COLUMNS = ("step", "compute", "exposed", "overlapped", "bubble", "other")  #: the table's times, ms per step
 CELL = 13  #: a time's columns in a row that would pass 120 with commas: 99,999,999.99 fits, 1.8014399e+13 else
 
@@ -94,8 +97,9 @@ def _straggler(pids, figs, working) -> list[str]:
     slow, fast = max(pids, key=working.get), min(pids, key=working.get)
     if working[slow] <= 0:  # 'slowest rank: 0 (working 0.00 ms/step ...)' before; the waiter is still named
         lines = ["no rank has working time (a forward-to-optimizer window, less its waits): no straggler to name"]
-    elif slow == fast:  # every rank alike ('slowest rank: 0 (...; 1x rank 0's ...)' before)
-        lines = [f"no straggler: every rank works {_ms(working[slow])} ms/step"]
+    elif working[fast] > 0 and working[slow] < STRAGGLER_RATIO * working[fast]:  # noise, not a straggler
+        lines = [f"no straggler: every rank works {_ms(working[fast])} to {_ms(working[slow])} ms/step (within "
+                 f"{STRAGGLER_RATIO:g}x of each other)"]  # 'slowest rank: 2 (...; 1.01x rank 1's ...)' before
     else:
         vs = (f"{significant(working[slow] / working[fast])}x rank {fast}'s {_ms(working[fast])} ms/step"
               if working[fast] > 0 else f"no ratio: rank {fast} has no working time (no forward-to-optimizer window)")
