@@ -768,7 +768,9 @@ def test_a_traced_job_reports_the_straggler_and_keeps_time_per_rank(tmp_path):
     per_rank = run_in_threads(2, body, timeout=240)[0]
     assert sorted(per_rank) == [0, 1] and all(f["steps"] == 3 and f["compute"] > 0 for f in per_rank.values())
     assert per_rank[0]["waited_on"] or per_rank[1]["waited_on"]  # one pipeline stage waited for the other
-    assert any(line.startswith("slowest rank: ") for line in logged), logged
+    assert any(line.startswith("working = step - exposed - bubble") for line in logged), logged
+    # a balanced pipeline: a straggler is named only past STRAGGLER_RATIO, which timing alone decides here
+    assert any(line.startswith(("slowest rank: ", "no straggler: ")) for line in logged), logged
     assert any(line.startswith("most waiting: rank ") for line in logged), logged
 
 
