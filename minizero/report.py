@@ -136,6 +136,11 @@ def _json_safe(x):
     return x
 
 
+def _expert_replicas(args) -> bool:
+    """True where each expert is held by several ranks (an expert-data group of more than one: dp / ep > 1)."""
+    return args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1
+
+
 def startup_tree(args) -> str:
     """How the start-up broadcast of the parameters runs, for the per-rank traffic line ('' under --native-comm).
 
@@ -143,7 +148,7 @@ def startup_tree(args) -> str:
     tensor rank), and with ep each expert-data group for the experts, broadcasts from its own first rank."""
     if args.native_comm:
         return ""
-    experts = args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1  # as the reductions' edp note
+    experts = _expert_replicas(args)
     if args.tp == 1 and args.pp == 1 and not experts:
         return ": a binomial tree from rank 0, whose leaves send nothing"
     groups = "each data group" + (" (the experts: each expert-data group)" if experts else "")
@@ -196,7 +201,7 @@ def report(args, result, stats, threads, local_ranks, cores, zero) -> None:
                                  ("the model's final gather onto rank 0", args.tp > 1 or args.pp > 1)) if here]
     reductions = [w for w, here in (("data parallel", args.dp * args.cp > 1),
                                     ("the experts' over their expert-data groups, the traffic table's edp row",
-                                     args.moe_experts > 0 and args.ep > 1 and args.dp // args.ep > 1),
+                                     _expert_replicas(args)),
                                     ("the tied embedding between the first and last stage", args.pp > 1)) if here]
     labels = dict(KIND_LABELS, parameter_gathers=KIND_LABELS["parameter_gathers"] + (f" ({'; '.join(gathers)})"
                                                                                     if gathers else ""),
